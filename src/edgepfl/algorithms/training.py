@@ -1,0 +1,185 @@
+"""Local training and evaluation on one module skeleton, shared by every algorithm.
+
+Peers lose most of their time outside the arithmetic: a model object per client, a
+DataLoader per client, data re-wrapped every round. Here a client's data is an index
+view into the one dataset tensor, batches are gathered by index, and a client's weights
+are copied into a single skeleton module before it trains and copied out after. The
+optimizer is a hand-written SGD over ``torch._foreach_*`` so that algorithm-specific
+gradient terms (proximal pulls, KAPC's coaching term) are added to the gradient in place
+instead of being built as autograd graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+State = dict[str, torch.Tensor]
+GradHook = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]
+LossHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ClientData:
+    """One client's samples: index view into the shared dataset tensors (no copy)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    idx: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return int(self.idx.numel())
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x.index_select(0, self.idx), self.y.index_select(0, self.idx)
+
+    def batches(self, batch_size: int, gen: torch.Generator):
+        """One epoch of shuffled mini-batches drawn with ``gen``."""
+        order = self.idx[torch.randperm(self.n, generator=gen)]
+        for start in range(0, self.n, batch_size):
+            bidx = order[start:start + batch_size]
+            yield self.x.index_select(0, bidx), self.y.index_select(0, bidx)
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, eval_batch_size: int = 1024):
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
+        self.param_names = list(self.params)
+        self.state_names = self.param_names + list(self.buffers)
+        self.eval_batch_size = eval_batch_size
+        self._loaded: object | None = None
+
+    # -- weights in and out of the skeleton ---------------------------------------
+    def load(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy ``state`` into the skeleton (a partial state needs ``strict=False``)."""
+        if strict:
+            missing = [n for n in self.state_names if n not in state]
+            if missing:
+                raise KeyError(f"model state lacks {missing}")
+        with torch.no_grad():
+            for name, value in state.items():
+                target = self.params.get(name)
+                if target is None:
+                    target = self.buffers.get(name)
+                if target is None:
+                    raise KeyError(f"model has no parameter or buffer {name!r}")
+                target.copy_(value)
+        self._loaded = None
+
+    def export(self, names: Sequence[str] | None = None) -> State:
+        names = self.state_names if names is None else names
+        return {n: (self.params.get(n) if n in self.params else self.buffers[n]).detach().clone()
+                for n in names}
+
+    def init_state(self) -> State:
+        return self.export()
+
+    def forget(self) -> None:
+        self._loaded = None
+
+    # -- training ----------------------------------------------------------------------
+    def fit(self, data: ClientData, epochs: int, batch_size: int, lr: float,
+            gen: torch.Generator, momentum: float = 0.0, weight_decay: float = 0.0,
+            grad_hook: GradHook | None = None, loss_hook: LossHook | None = None,
+            trainable: Sequence[str] | None = None) -> dict[str, float]:
+        """SGD on the loaded weights; returns the mean training loss and step count.
+
+        ``grad_hook(params, grads)`` may add terms to the gradients in place (in the order
+        of ``trainable``, default all parameters); ``loss_hook(model, logits, x, y)``
+        returns an extra differentiable loss term.
+        """
+        self._loaded = None
+        model = self.model
+        model.train()
+        names = self.param_names if trainable is None else list(trainable)
+        params = [self.params[n] for n in names]
+        frozen = [p for n, p in self.params.items() if n not in set(names)]
+        for p in frozen:
+            p.requires_grad_(False)
+        bufs: list[torch.Tensor] | None = None
+        loss_sum = torch.zeros(())
+        seen = 0
+        steps = 0
+        try:
+            for _ in range(epochs):
+                for xb, yb in data.batches(batch_size, gen):
+                    logits = model(xb)
+                    loss = F.cross_entropy(logits, yb)
+                    total = loss if loss_hook is None else loss + loss_hook(model, logits, xb, yb)
+                    for p in params:
+                        p.grad = None
+                    total.backward()
+                    with torch.no_grad():
+                        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                        if weight_decay:
+                            torch._foreach_add_(grads, params, alpha=weight_decay)
+                        if grad_hook is not None:
+                            grad_hook(params, grads)
+                        if momentum:
+                            if bufs is None:
+                                bufs = [g.clone() for g in grads]
+                            else:
+                                torch._foreach_mul_(bufs, momentum)
+                                torch._foreach_add_(bufs, grads)
+                            grads = bufs
+                        torch._foreach_add_(params, grads, alpha=-lr)
+                        loss_sum += loss.detach() * yb.numel()
+                    seen += yb.numel()
+                    steps += 1
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+            for p in params:
+                p.grad = None
+        return {"train_loss": float(loss_sum) / max(seen, 1), "steps": float(steps),
+                "samples": float(seen)}
+
+    # -- evaluation -------------------------------------------------------------------
+    @torch.inference_mode()
+    def evaluate(self, state: Mapping[str, torch.Tensor], x: torch.Tensor,
+                 y: torch.Tensor) -> tuple[int, float]:
+        """(correct predictions, summed cross-entropy) of ``state`` on ``(x, y)``.
+
+        Loading is skipped when the same state object was just evaluated, which makes
+        evaluating one global model on N clients cost one copy instead of N. Call
+        ``forget()`` before an evaluation pass if states may have changed in place.
+        """
+        if self._loaded is not state:
+            self.load(state)
+            self._loaded = state  # a held reference, so identity cannot be recycled
+        self.model.eval()
+        correct = 0
+        loss = 0.0
+        for start in range(0, y.numel(), self.eval_batch_size):
+            xb = x[start:start + self.eval_batch_size]
+            yb = y[start:start + self.eval_batch_size]
+            logits = self.model(xb)
+            correct += int((logits.argmax(1) == yb).sum())
+            loss += float(F.cross_entropy(logits, yb, reduction="sum"))
+        return correct, loss
+
+
+def weighted_average(states: Sequence[Mapping[str, torch.Tensor]],
+                     weights: Sequence[float] | torch.Tensor) -> State:
+    """Sample-weighted mean of model states (integer buffers: taken from the first)."""
+    if not states:
+        raise ValueError("cannot average zero states")
+    w = torch.as_tensor(weights, dtype=torch.float64)
+    if (w < 0).any() or float(w.sum()) <= 0:
+        raise ValueError(f"averaging weights must be non-negative with a positive sum, got {w.tolist()}")
+    w = w / w.sum()
+    out: State = {}
+    for name, first in states[0].items():
+        if not first.is_floating_point():
+            out[name] = first.clone()
+            continue
+        stacked = torch.stack([s[name] for s in states])
+        out[name] = torch.tensordot(w.to(first.dtype), stacked, dims=1)
+    return out

@@ -1,0 +1,170 @@
+"""Typed run configuration: TOML files, dotted ``--set`` overrides, validation.
+
+A run is fully described by one ``Config``; its resolved form (every default filled in,
+the algorithm's hyperparameters included) is what a run directory stores and what a
+resume is checked against.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from edgepfl.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DatasetConfig(_Section):
+    name: str = Field("digits", description="mnist, fmnist, cifar10, cifar100, digits, synthetic")
+    root: str | None = Field(None, description="data directory; default $EDGEPFL_DATA, else ./data")
+    fraction: float = Field(1.0, gt=0, le=1, description="random share of train and test data to use")
+    download: bool = Field(True, description="try to download missing files (md5-checked)")
+
+
+class PartitionConfig(_Section):
+    scheme: str = Field("dirichlet", description="iid, dirichlet, pathological, primary_secondary")
+    clients: int = Field(10, ge=1, description="number of clients")
+    alpha: float = Field(0.3, gt=0, description="Dirichlet concentration (smaller = more skewed)")
+    min_size: int = Field(10, ge=1, description="Dirichlet: minimum train samples per client")
+    classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
+
+
+class ModelConfig(_Section):
+    name: str | None = Field(None, description="architecture; default depends on the data set")
+
+
+class TrainConfig(_Section):
+    rounds: int = Field(30, ge=1, description="communication rounds")
+    local_epochs: int = Field(1, ge=1, description="local epochs per round")
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(0.05, gt=0, description="client SGD learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="client SGD momentum (reset every round)")
+    weight_decay: float = Field(0.0, ge=0)
+    participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round")
+
+
+class EvalConfig(_Section):
+    every: int = Field(1, ge=1, description="evaluate every this many rounds (and the last)")
+    batch_size: int = Field(1024, ge=1)
+
+
+class OutputConfig(_Section):
+    checkpoint_every: int = Field(1, ge=1, description="write a checkpoint every this many rounds")
+    plots: bool = Field(True, description="write PNG plots into the run directory")
+
+
+class AlgorithmConfig(BaseModel):
+    """``name`` plus the algorithm's own hyperparameters, validated by the algorithm."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "fedavg"
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class Config(_Section):
+    seed: int = Field(0, description="one seed fixes partition, init, sampling and data order")
+    dataset: DatasetConfig = DatasetConfig()
+    partition: PartitionConfig = PartitionConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    eval: EvalConfig = EvalConfig()
+    output: OutputConfig = OutputConfig()
+
+
+def _format_validation_error(exc: ValidationError, data: dict) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            section = _section_model(err["loc"][:-1])
+            valid = ", ".join(section.model_fields) if section else "?"
+            lines.append(f"unknown setting {key!r}; valid keys here: {valid}")
+        else:
+            lines.append(f"{key} = {err.get('input')!r}: {err['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _section_model(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type):
+            return None
+        if not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model
+
+
+def parse_value(text: str) -> Any:
+    """Read a ``--set`` value as TOML (numbers, booleans, quoted strings), else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``key.sub=value`` strings to a nested dict (returns a new dict)."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} is not of the form key=value (e.g. train.rounds=10)")
+        key, _, raw = item.partition("=")
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"--set {item!r} has an empty key")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = parse_value(raw.strip())
+    return data
+
+
+def load_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not readable TOML: {exc}") from None
+
+
+def build_config(data: dict | None = None, overrides: list[str] | None = None) -> Config:
+    """Validate a nested dict plus overrides into a ``Config`` (raises ConfigError)."""
+    merged = apply_overrides(data or {}, overrides or [])
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, merged)) from None
+
+
+def config_from_sources(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    return build_config(load_toml(path) if path else {}, overrides)
+
+
+def describe_sections() -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) of every fixed setting, for docs and ``list``."""
+    rows: list[tuple[str, str, str]] = [("seed", "0", Config.model_fields["seed"].description or "")]
+    for section, field in Config.model_fields.items():
+        model = field.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        for key, sub in model.model_fields.items():
+            rows.append((f"{section}.{key}", repr(sub.default), sub.description or ""))
+    return rows

@@ -1,0 +1,315 @@
+"""The in-process simulation engine: the round loop and everything around it.
+
+sample clients -> server.configure -> messages down (counted, copied) -> client.update
+-> messages up (counted, copied) -> server.aggregate -> evaluate -> log -> checkpoint.
+
+The engine owns client sampling, message delivery and byte accounting, evaluation,
+logging and checkpoints; algorithms own only what to send and how to fold replies.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgepfl import __version__
+from edgepfl.algorithms import ClientContext, ServerContext, get_algorithm
+from edgepfl.algorithms.training import ClientData, Trainer
+from edgepfl.config import Config, build_config
+from edgepfl.data import load_dataset, make_partition
+from edgepfl.data.datasets import Dataset
+from edgepfl.data.partition import Partition
+from edgepfl.engine.io import read_json, read_tensors, write_csv, write_json, write_tensors
+from edgepfl.engine.messages import MessageError
+from edgepfl.engine.progress import RoundProgress
+from edgepfl.engine.rng import derive_seed, generator, select_clients
+from edgepfl.engine.store import StackedStore
+from edgepfl.errors import ConfigError, EdgepflError
+from edgepfl.models import DEFAULT_MODEL, LayerSpec, build_model
+
+METRIC_COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss",
+                  "train_loss", "bytes_up", "bytes_down", "clients", "wall_s"]
+CHECKPOINT = "checkpoint.safetensors"
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill in what defaults depend on (model per data set, algorithm hyperparameters)."""
+    algo = get_algorithm(cfg.algorithm.name)
+    hp = algo.parse_hyperparameters(cfg.algorithm.hyperparameters())
+    data = cfg.model_dump()
+    if data["model"]["name"] is None:
+        data["model"]["name"] = DEFAULT_MODEL.get(cfg.dataset.name, "mlp")
+    data["algorithm"] = {"name": algo.name, **hp.model_dump()}
+    return build_config(data)
+
+
+def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(a) | set(b))
+    out = []
+    for k in keys:
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += config_diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: run has {va!r}, given {vb!r}")
+    return out
+
+
+@dataclass
+class RunResult:
+    summary: dict
+    metrics: list[dict]
+    out_dir: Path | None
+    client_accuracy: list[float] = field(default_factory=list)
+
+
+class Simulation:
+    """One run of one algorithm on one federation. ``run()`` executes the rounds."""
+
+    def __init__(self, cfg: Config, out_dir: str | Path | None = None, *,
+                 progress: bool | None = None, dataset: Dataset | None = None,
+                 partition: Partition | None = None):
+        self.cfg = cfg = resolve(cfg)
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.progress = progress
+        self.algorithm = get_algorithm(cfg.algorithm.name)
+        hp = self.algorithm.parse_hyperparameters(cfg.algorithm.hyperparameters())
+
+        self.dataset = dataset or load_dataset(cfg.dataset.name, cfg.dataset.root,
+                                               cfg.dataset.fraction, cfg.seed, cfg.dataset.download)
+        self.partition = partition or make_partition(
+            self.dataset.y_train, self.dataset.y_test, self.dataset.num_classes,
+            cfg.partition.scheme, cfg.partition.clients, cfg.seed, alpha=cfg.partition.alpha,
+            min_size=cfg.partition.min_size, classes_per_client=cfg.partition.classes_per_client)
+        n = self.num_clients = self.partition.num_clients
+
+        torch.manual_seed(derive_seed(cfg.seed, "init"))
+        model = build_model(cfg.model.name, self.dataset.input_shape, self.dataset.num_classes)
+        self.layers = LayerSpec.from_model(model)
+        self.trainer = Trainer(model, cfg.eval.batch_size)
+        init_model = self.trainer.export()
+        self.server = self.algorithm.server(
+            ServerContext(n, self.layers, init_model, cfg.train, cfg.seed), hp)
+        self.client = self.algorithm.client(
+            ClientContext(self.trainer, self.layers, cfg.train, self.dataset.num_classes, cfg.seed), hp)
+        self.clients = StackedStore(n)
+        for cid in range(n):
+            self.clients.set_row(cid, self.client.init_state(cid, init_model))
+
+        ds = self.dataset
+        self.train_data = [ClientData(ds.x_train, ds.y_train, idx) for idx in self.partition.train]
+        self.test_data = [(ds.x_test.index_select(0, idx), ds.y_test.index_select(0, idx))
+                          for idx in self.partition.test]
+        self.test_sizes = np.array([y.numel() for _, y in self.test_data])
+        self.round = 0
+        self.metrics: list[dict] = []
+        self.client_acc: list[float] = []
+        self.bytes_up = np.zeros(n, dtype=np.int64)
+        self.bytes_down = np.zeros(n, dtype=np.int64)
+        self.wall_time = 0.0
+
+    # -- one round ------------------------------------------------------------------
+    def step(self) -> dict:
+        cfg = self.cfg
+        rnd = self.round + 1
+        t0 = time.perf_counter()
+        selected = select_clients(cfg.seed, rnd, self.num_clients, cfg.train.participation)
+        down = self.server.configure(rnd, selected)
+        if set(down) != set(selected):
+            raise MessageError(f"server configured clients {sorted(down)} but round {rnd} selected {selected}")
+        replies, losses, weights = {}, [], []
+        up_total = down_total = 0
+        for cid in selected:
+            msg = down[cid]
+            self.bytes_down[cid] += msg.nbytes
+            down_total += msg.nbytes
+            torch.manual_seed(derive_seed(cfg.seed, "torch", rnd, cid))
+            result = self.client.update(cid, msg.delivered(), self.clients.row(cid),
+                                        self.train_data[cid], generator(cfg.seed, "client", rnd, cid))
+            self.clients.set_row(cid, result.state)
+            self.bytes_up[cid] += result.reply.nbytes
+            up_total += result.reply.nbytes
+            replies[cid] = result.reply.delivered()
+            if "train_loss" in result.stats:
+                losses.append(result.stats["train_loss"])
+                weights.append(self.train_data[cid].n)
+        self.server.aggregate(rnd, replies)
+
+        row: dict = {"round": rnd, "bytes_up": up_total, "bytes_down": down_total,
+                     "clients": len(selected),
+                     "train_loss": float(np.average(losses, weights=weights)) if losses else math.nan}
+        if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
+            row.update(self.evaluate())
+        else:
+            row.update(acc_mean=math.nan, acc_weighted=math.nan, acc_std=math.nan,
+                       acc_min=math.nan, loss=math.nan)
+        row.update(self.server.round_metrics())
+        row["wall_s"] = time.perf_counter() - t0
+        self.wall_time += row["wall_s"]
+        self.round = rnd
+        self.metrics.append(row)
+        return row
+
+    def evaluate(self) -> dict:
+        """Every client's personalized model on its own test split."""
+        self.trainer.forget()
+        accs, losses = [], []
+        for cid in range(self.num_clients):
+            x, y = self.test_data[cid]
+            if y.numel() == 0:
+                accs.append(math.nan)
+                losses.append(math.nan)
+                continue
+            state = self.client.personal_model(self.clients.row(cid), self.server.eval_message(cid))
+            correct, loss = self.trainer.evaluate(state, x, y)
+            accs.append(correct / y.numel())
+            losses.append(loss / y.numel())
+        acc = np.array(accs)
+        ok = ~np.isnan(acc)
+        self.client_acc = accs
+        return {"acc_mean": float(acc[ok].mean()),
+                "acc_weighted": float(np.average(acc[ok], weights=self.test_sizes[ok])),
+                "acc_std": float(acc[ok].std()),
+                "acc_min": float(acc[ok].min()),
+                "loss": float(np.nanmean(losses))}
+
+    # -- whole run ---------------------------------------------------------------------
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        if self.out_dir is not None and self.round == 0:
+            self._write_setup()
+        bar = RoundProgress(cfg.train.rounds, self.round,
+                            f"{cfg.algorithm.name} on {cfg.dataset.name}", self.progress)
+        try:
+            while self.round < cfg.train.rounds:
+                row = self.step()
+                if self.out_dir is not None:
+                    write_csv(self.out_dir / "metrics.csv", self.metric_columns(), self.metrics)
+                    if self.round % cfg.output.checkpoint_every == 0 or self.round == cfg.train.rounds:
+                        self.save_checkpoint()
+                bar.update(self.round, row)
+        finally:
+            bar.close()
+        summary = self.summary()
+        if self.out_dir is not None:
+            write_json(self.out_dir / "summary.json", summary)
+            if cfg.output.plots:
+                from edgepfl.report.plots import plot_accuracy
+                plot_accuracy(self.metrics, self.out_dir / "accuracy.png",
+                              f"{cfg.algorithm.name} on {cfg.dataset.name}")
+        return RunResult(summary, self.metrics, self.out_dir, list(self.client_acc))
+
+    def metric_columns(self) -> list[str]:
+        extra = [k for row in self.metrics for k in row if k not in METRIC_COLUMNS]
+        return METRIC_COLUMNS + list(dict.fromkeys(extra))
+
+    def summary(self) -> dict:
+        cfg = self.cfg
+        evaluated = [r for r in self.metrics if not math.isnan(r["acc_mean"])]
+        best = max(evaluated, key=lambda r: r["acc_mean"]) if evaluated else None
+        final = evaluated[-1] if evaluated else None
+        return {
+            "algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
+            "clients": self.num_clients, "rounds": self.round, "seed": cfg.seed,
+            "participation": cfg.train.participation,
+            "acc_mean_best": best["acc_mean"] if best else None,
+            "best_round": best["round"] if best else None,
+            "acc_mean_final": final["acc_mean"] if final else None,
+            "acc_weighted_final": final["acc_weighted"] if final else None,
+            "acc_std_final": final["acc_std"] if final else None,
+            "acc_min_final": final["acc_min"] if final else None,
+            "final_round": final["round"] if final else None,
+            "acc_clients_final": self.client_acc,
+            "bytes_up_total": int(self.bytes_up.sum()),
+            "bytes_down_total": int(self.bytes_down.sum()),
+            "bytes_up_per_client": self.bytes_up.tolist(),
+            "bytes_down_per_client": self.bytes_down.tolist(),
+            "wall_time_s": self.wall_time,
+            "model_params": sum(layer.numel for layer in self.layers.layers),
+            "layers": self.layers.names,
+            "edgepfl_version": __version__,
+        }
+
+    # -- files ---------------------------------------------------------------------------
+    def _write_setup(self) -> None:
+        out = self.out_dir
+        assert out is not None
+        write_json(out / "config.json", self.cfg.model_dump())
+        part = self.partition.to_json(self.dataset.y_train, self.dataset.y_test)
+        part["layers"] = self.layers.to_json()
+        write_json(out / "partition.json", part)
+        if self.cfg.output.plots:
+            from edgepfl.report.plots import plot_partition
+            counts, _ = self.partition.class_counts(self.dataset.y_train, self.dataset.y_test)
+            plot_partition(counts, out / "partition.png", self.dataset.classes)
+
+    def save_checkpoint(self) -> None:
+        assert self.out_dir is not None
+        tensors = self.clients.state_dict("client/")
+        tensors.update({f"server/{k}": v for k, v in self.server.state_dict().items()})
+        meta = {"round": self.round, "config": self.cfg.model_dump(), "metrics": self.metrics,
+                "client_acc": self.client_acc, "bytes_up": self.bytes_up.tolist(),
+                "bytes_down": self.bytes_down.tolist(), "wall_time_s": self.wall_time,
+                "edgepfl_version": __version__}
+        write_tensors(self.out_dir / CHECKPOINT, tensors, meta)
+
+    def load_checkpoint(self, path: Path) -> None:
+        tensors, meta = read_tensors(path)
+        if config_diff(meta.get("config", {}), self.cfg.model_dump()):
+            raise EdgepflError(f"{path} belongs to a different configuration than {path.parent}/config.json")
+        self.clients.load_state_dict(tensors, "client/")
+        self.server.load_state_dict({k[len("server/"):]: v for k, v in tensors.items()
+                                     if k.startswith("server/")})
+        self.round = int(meta["round"])
+        self.metrics = [{k: (math.nan if v is None else v) for k, v in row.items()}
+                        for row in meta["metrics"]]
+        self.client_acc = [math.nan if v is None else v for v in meta["client_acc"]]
+        self.bytes_up = np.array(meta["bytes_up"], dtype=np.int64)
+        self.bytes_down = np.array(meta["bytes_down"], dtype=np.int64)
+        self.wall_time = float(meta["wall_time_s"])
+
+
+def default_run_dir(cfg: Config, base: Path = Path("runs")) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = base / f"{cfg.algorithm.name}-{cfg.dataset.name}-{stamp}"
+    k = 1
+    while path.exists():
+        k += 1
+        path = base / f"{cfg.algorithm.name}-{cfg.dataset.name}-{stamp}-{k}"
+    return path
+
+
+def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | None = None,
+              **kwargs) -> RunResult:
+    """Run a configuration into a fresh run directory (refuses to overwrite a run)."""
+    cfg = resolve(cfg)
+    out = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
+    if (out / "config.json").exists():
+        raise EdgepflError(f"{out} already holds a run; use --resume {out} to continue it "
+                           "or choose another --out")
+    sim = Simulation(cfg, out, progress=progress, **kwargs)
+    return sim.run()
+
+
+def resume_run(run_dir: str | Path, cfg: Config | None = None,
+               progress: bool | None = None) -> RunResult:
+    """Continue ``run_dir`` from its last checkpoint; ``cfg``, if given, must match it."""
+    run_dir = Path(run_dir)
+    stored = read_json(run_dir / "config.json")
+    if cfg is not None:
+        diff = config_diff(stored, resolve(cfg).model_dump())
+        if diff:
+            raise ConfigError(f"cannot resume {run_dir} with a different configuration:\n  "
+                              + "\n  ".join(diff))
+    run_cfg = build_config(stored)
+    sim = Simulation(run_cfg, run_dir, progress=progress)
+    ckpt = run_dir / CHECKPOINT
+    if ckpt.exists():
+        sim.load_checkpoint(ckpt)
+    return sim.run()

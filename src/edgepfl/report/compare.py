@@ -1,0 +1,105 @@
+"""Several algorithms on the same federation: same partition, same client sequence.
+
+Both follow from the seed alone (partition and sampling never draw from an algorithm's
+randomness), so running each algorithm with the same seed is what makes them comparable.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from edgepfl.config import Config, build_config
+from edgepfl.data import load_dataset, make_partition
+from edgepfl.engine.io import write_bytes_atomic, write_csv
+from edgepfl.engine.simulation import resolve, start_run
+from edgepfl.errors import EdgepflError
+from edgepfl.report.plots import plot_curves
+
+COMPARISON_COLUMNS = ["algorithm", "seed", "acc_mean_best", "best_round", "acc_mean_final",
+                      "acc_weighted_final", "acc_std_final", "acc_min_final", "bytes_up_total",
+                      "bytes_down_total", "wall_time_s", "run_dir"]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    arr = np.array([v for v in values if v is not None], dtype=float)
+    if arr.size == 0:
+        return math.nan, math.nan
+    return float(arr.mean()), float(arr.std())
+
+
+def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
+            progress: bool | None = None, echo=print) -> list[dict]:
+    if not algorithms:
+        raise EdgepflError("--algorithms is empty; give a comma-separated list, e.g. local,fedavg")
+    if (out / "comparison.csv").exists():
+        raise EdgepflError(f"{out} already holds a comparison; choose another --out")
+    configs = {}
+    for name in algorithms:
+        data = base.model_dump()
+        data["algorithm"] = {"name": name, **({} if name != base.algorithm.name
+                                               else base.algorithm.hyperparameters())}
+        configs[name] = resolve(build_config(data))
+    rows, curves = [], {}
+    for seed in seeds:
+        cfg0 = configs[algorithms[0]]
+        dataset = load_dataset(cfg0.dataset.name, cfg0.dataset.root, cfg0.dataset.fraction,
+                               seed, cfg0.dataset.download)
+        partition = make_partition(dataset.y_train, dataset.y_test, dataset.num_classes,
+                                   cfg0.partition.scheme, cfg0.partition.clients, seed,
+                                   alpha=cfg0.partition.alpha, min_size=cfg0.partition.min_size,
+                                   classes_per_client=cfg0.partition.classes_per_client)
+        for name in algorithms:
+            cfg = build_config({**configs[name].model_dump(), "seed": seed})
+            run_dir = out / f"{name}-seed{seed}"
+            result = start_run(cfg, run_dir, progress=progress, dataset=dataset, partition=partition)
+            s = result.summary
+            echo(f"{name:>10} seed {seed}: best {s['acc_mean_best']:.4f} (round {s['best_round']}), "
+                 f"final {s['acc_mean_final']:.4f} ± {s['acc_std_final']:.4f}, "
+                 f"up {s['bytes_up_total'] / 1e6:.2f} MB, down {s['bytes_down_total'] / 1e6:.2f} MB")
+            rows.append({**{k: s.get(k) for k in COMPARISON_COLUMNS}, "run_dir": run_dir.name})
+            curves.setdefault(name, []).append(
+                [(r["round"], r["acc_mean"]) for r in result.metrics if not math.isnan(r["acc_mean"])])
+    write_csv(out / "comparison.csv", COMPARISON_COLUMNS, rows)
+    write_bytes_atomic(out / "comparison.md", comparison_markdown(rows, algorithms, base).encode())
+    plot_data = {}
+    for name, per_seed in curves.items():
+        length = min(len(c) for c in per_seed)
+        x = np.array([r for r, _ in per_seed[0][:length]])
+        acc = np.array([[a for _, a in c[:length]] for c in per_seed])
+        plot_data[name] = (x, acc.mean(0), acc.std(0))
+    plot_curves(plot_data, out / "comparison.png",
+                f"{base.dataset.name}, {base.partition.clients} clients, {base.partition.scheme}")
+    return rows
+
+
+def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config) -> str:
+    seeds = sorted({r["seed"] for r in rows})
+    lines = [
+        f"# Comparison on {base.dataset.name}",
+        "",
+        f"{base.partition.clients} clients, partition {base.partition.scheme} "
+        f"(alpha {base.partition.alpha}), {base.train.rounds} rounds, participation "
+        f"{base.train.participation}, seeds {', '.join(map(str, seeds))}. Mean ± std over seeds; "
+        "accuracy is the unweighted mean over clients of each client's personalized model on "
+        "its own test split. *Best* is the best round (the papers' protocol), *final* the last.",
+        "",
+        "| algorithm | best mean acc | final mean acc | final std across clients | "
+        "final worst client | MB up | MB down |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in algorithms:
+        sel = [r for r in rows if r["algorithm"] == name]
+
+        def cell(key, scale=100.0, digits=2, sel=sel):
+            m, s = _mean_std([r[key] * scale if r[key] is not None else None for r in sel])
+            return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+        lines.append(f"| {name} | {cell('acc_mean_best')} | {cell('acc_mean_final')} | "
+                     f"{cell('acc_std_final')} | {cell('acc_min_final')} | "
+                     f"{cell('bytes_up_total', 1e-6)} | {cell('bytes_down_total', 1e-6)} |")
+    lines.append("")
+    lines.append("Accuracies in %.")
+    return "\n".join(lines) + "\n"

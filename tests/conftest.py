@@ -1,0 +1,22 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from edgepfl.config import build_config
+
+SHARED_DATA = Path(os.environ.get("EDGEPFL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def fast_config(*overrides: str):
+    """A run small enough for unit tests: synthetic data, 6 clients, 3 rounds."""
+    base = ["dataset.name=synthetic", "partition.clients=6", "train.rounds=3",
+            "train.batch_size=32", "output.plots=false"]
+    return build_config({}, base + list(overrides))
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not (SHARED_DATA / "MNIST" / "raw").exists():
+        pytest.skip(f"MNIST files not found under {SHARED_DATA} (set EDGEPFL_DATA)")
+    return SHARED_DATA

@@ -1,0 +1,98 @@
+"""The command line: bad input gets exit code 2 and a message naming the value."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from edgepfl.cli import main
+
+FAST = ["--set", "dataset.name=synthetic", "--set", "partition.clients=4", "--set",
+        "train.rounds=2", "--set", "output.plots=false", "--quiet"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_list_names_everything():
+    res = invoke("list")
+    assert res.exit_code == 0
+    for word in ["fedavg", "fedprox", "local", "mnist", "fmnist", "cifar10", "cifar100", "digits",
+                 "synthetic", "cnn2", "dirichlet", "pathological", "primary_secondary",
+                 "train.participation", "algorithm.mu"]:
+        assert word in res.output, word
+
+
+def test_run_writes_a_run_directory_and_prints_the_summary(tmp_path):
+    res = invoke("run", *FAST, "--out", str(tmp_path / "r"))
+    assert res.exit_code == 0, res.output
+    assert "best mean acc" in res.output and "final" in res.output and "worst client" in res.output
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["rounds"] == 2
+
+
+def test_run_reads_a_toml_config(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[dataset]\nname = "synthetic"\n[partition]\nclients = 3\n'
+                   '[train]\nrounds = 1\n[algorithm]\nname = "fedprox"\nmu = 0.5\n'
+                   '[output]\nplots = false\n')
+    res = invoke("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet")
+    assert res.exit_code == 0, res.output
+    stored = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert stored["algorithm"] == {"name": "fedprox", "mu": 0.5}
+    assert stored["partition"]["clients"] == 3
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--set", "train.bogus=1"], ["train.bogus", "rounds"]),
+    (["--set", "algorithm.name=nope"], ["nope", "fedavg", "local"]),
+    (["--set", "dataset.name=imagenet"], ["imagenet", "mnist", "synthetic"]),
+    (["--set", "partition.scheme=weird"], ["weird", "dirichlet"]),
+    (["--set", "partition.alpha=0"], ["partition.alpha", "0", "greater than 0"]),
+    (["--set", "partition.alpha=-2"], ["partition.alpha", "-2"]),
+    (["--set", "partition.clients=999999"], ["999999"]),
+    (["--set", "train.participation=1.5"], ["train.participation", "1.5"]),
+    (["--set", "noequals"], ["noequals", "key=value"]),
+])
+def test_bad_input_exits_2_naming_the_value(tmp_path, args, words):
+    res = invoke("run", *FAST, *args, "--out", str(tmp_path / "r"))
+    assert res.exit_code == 2, res.output
+    for word in words:
+        assert word in res.output, (word, res.output)
+    assert "Traceback" not in res.output
+
+
+def test_unreadable_config_file_exits_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = = not toml")
+    res = invoke("run", str(bad))
+    assert res.exit_code == 2 and "bad.toml" in res.output
+    res = invoke("run", str(tmp_path / "missing.toml"))
+    assert res.exit_code == 2 and "missing.toml" in res.output
+
+
+def test_resume_with_other_settings_exits_2_and_keeps_the_run(tmp_path):
+    out = tmp_path / "r"
+    assert invoke("run", *FAST, "--out", str(out)).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    res = invoke("run", *FAST, "--set", "train.lr=0.9", "--resume", str(out))
+    assert res.exit_code == 2 and "train.lr" in res.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_compare_writes_table_csv_and_plot(tmp_path):
+    res = invoke("compare", "--algorithms", "local,fedavg", "--seeds", "0,1", *FAST,
+                 "--out", str(tmp_path / "c"))
+    assert res.exit_code == 0, res.output
+    for name in ["comparison.csv", "comparison.md", "comparison.png"]:
+        assert (tmp_path / "c" / name).is_file()
+    table = (tmp_path / "c" / "comparison.md").read_text()
+    assert "| local |" in table and "| fedavg |" in table and "±" in table
+    rows = (tmp_path / "c" / "comparison.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 4
+
+
+def test_compare_rejects_unknown_algorithm_before_running(tmp_path):
+    res = invoke("compare", "--algorithms", "fedavg,nope", *FAST, "--out", str(tmp_path / "c"))
+    assert res.exit_code == 2 and "nope" in res.output
+    assert not (tmp_path / "c").exists()

@@ -1,0 +1,137 @@
+"""The round loop: run directory, evaluation protocol, determinism, checkpoint and resume."""
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+from edgepfl.engine.simulation import CHECKPOINT, Simulation, resume_run, start_run
+from edgepfl.errors import ConfigError, EdgepflError
+from tests.conftest import fast_config
+
+SUMMARY_KEYS = {"algorithm", "dataset", "clients", "rounds", "seed", "acc_mean_best", "best_round",
+                "acc_mean_final", "acc_weighted_final", "acc_std_final", "bytes_up_total",
+                "bytes_down_total", "wall_time_s"}
+COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "bytes_up",
+           "bytes_down", "wall_s"]
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+
+
+def test_run_directory_has_every_promised_file(tmp_path):
+    cfg = fast_config("algorithm.name=fedavg", "output.plots=true")
+    result = start_run(cfg, tmp_path / "run", progress=False)
+    out = tmp_path / "run"
+    for name in ["config.json", "partition.json", "metrics.csv", "summary.json", "accuracy.png",
+                 "partition.png", CHECKPOINT]:
+        assert (out / name).is_file(), name
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert all(c in rows[0] for c in COLUMNS)
+    assert [int(r["round"]) for r in rows] == [1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary == json.loads(json.dumps(result.summary))
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"]["name"] == "cnn_small"  # resolved, not None
+    assert config["algorithm"] == {"name": "fedavg"}
+
+
+def test_evaluation_reports_mean_weighted_spread_best_and_final():
+    sim = Simulation(fast_config("algorithm.name=local", "train.rounds=4"), progress=False)
+    result = sim.run()
+    accs = np.array(result.client_accuracy)
+    final = result.metrics[-1]
+    assert final["acc_mean"] == pytest.approx(accs.mean())
+    assert final["acc_std"] == pytest.approx(accs.std())
+    assert final["acc_min"] == pytest.approx(accs.min())
+    assert final["acc_weighted"] == pytest.approx(np.average(accs, weights=sim.test_sizes))
+    s = result.summary
+    assert s["acc_mean_best"] == max(r["acc_mean"] for r in result.metrics)
+    assert s["acc_mean_final"] == final["acc_mean"]
+    assert s["acc_mean_best"] >= s["acc_mean_final"]
+    assert result.metrics[s["best_round"] - 1]["acc_mean"] == s["acc_mean_best"]
+
+
+def test_eval_every_skips_rounds_but_always_evaluates_the_last():
+    result = Simulation(fast_config("eval.every=2", "train.rounds=3"), progress=False).run()
+    evaluated = [not math.isnan(r["acc_mean"]) for r in result.metrics]
+    assert evaluated == [False, True, True]
+
+
+def test_same_seed_same_run_other_seed_other_run():
+    a = Simulation(fast_config("seed=3"), progress=False).run()
+    b = Simulation(fast_config("seed=3"), progress=False).run()
+    c = Simulation(fast_config("seed=4"), progress=False).run()
+    assert _strip(a.metrics) == _strip(b.metrics)
+    assert _strip(a.metrics) != _strip(c.metrics)
+
+
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    cfg = fast_config("algorithm.name=fedprox", "train.rounds=4", "train.participation=0.5")
+    whole = start_run(cfg, tmp_path / "whole", progress=False)
+
+    sim = Simulation(cfg, tmp_path / "cut", progress=False)
+    real_step = sim.step
+
+    def crash_in_round_3():
+        if sim.round == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(sim, "step", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    with open(tmp_path / "cut" / "metrics.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2  # what was written before the crash is intact
+    resumed = resume_run(tmp_path / "cut", progress=False)
+    assert _strip(resumed.metrics) == _strip(whole.metrics)
+    for key in ["acc_mean_best", "acc_mean_final", "bytes_up_total", "bytes_down_total",
+                "acc_clients_final", "bytes_up_per_client"]:
+        assert resumed.summary[key] == whole.summary[key], key
+
+
+def test_resume_with_a_different_config_is_refused(tmp_path):
+    cfg = fast_config("train.rounds=2")
+    start_run(cfg, tmp_path / "run", progress=False)
+    before = (tmp_path / "run" / "metrics.csv").read_bytes()
+    with pytest.raises(ConfigError, match="train.lr"):
+        resume_run(tmp_path / "run", fast_config("train.rounds=2", "train.lr=0.5"))
+    assert (tmp_path / "run" / "metrics.csv").read_bytes() == before
+
+
+def test_a_finished_run_is_never_overwritten(tmp_path):
+    start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
+    before = (tmp_path / "run" / "summary.json").read_bytes()
+    with pytest.raises(EdgepflError, match="already holds a run"):
+        start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
+    assert (tmp_path / "run" / "summary.json").read_bytes() == before
+
+
+def test_a_corrupt_checkpoint_is_reported_not_loaded(tmp_path):
+    start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
+    (tmp_path / "run" / CHECKPOINT).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(EdgepflError, match="not a valid edgepfl checkpoint"):
+        resume_run(tmp_path / "run", progress=False)
+
+
+def test_partial_participation_selects_the_same_clients_for_every_algorithm():
+    seqs = []
+    for name in ["local", "fedavg"]:
+        sim = Simulation(fast_config(f"algorithm.name={name}", "train.participation=0.34"),
+                         progress=False)
+        seen = []
+        for _ in range(3):
+            before = sim.bytes_up.copy() if name == "fedavg" else None
+            row = sim.step()
+            assert row["clients"] == 2
+            if name == "fedavg":
+                seen.append(sorted(np.flatnonzero(sim.bytes_up - before).tolist()))
+        seqs.append(seen)
+    from edgepfl.engine.rng import select_clients
+    expected = [select_clients(0, r, 6, 0.34) for r in (1, 2, 3)]
+    assert seqs[1] == expected

@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from edgepfl.errors import ConfigError
+from edgepfl.models import MODELS, LayerSpec, build_model
+
+
+def test_cnn2_matches_the_kapc_description():
+    model = build_model("cnn2", (1, 28, 28), 10)
+    spec = LayerSpec.from_model(model)
+    assert spec.names == ["conv1", "conv2", "fc1", "fc2", "fc3"]
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [c.kernel_size for c in convs] == [(5, 5), (5, 5)]
+    assert [model.fc1.out_features, model.fc2.out_features] == [512, 128]
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("name,shape", [("cnn2", (1, 28, 28)), ("cnn_cifar", (3, 32, 32)),
+                                        ("cnn_small", (1, 8, 8)), ("mlp", (1, 8, 8))])
+def test_layer_spec_owns_every_parameter_exactly_once(name, shape):
+    model = build_model(name, shape, 7)
+    spec = LayerSpec.from_model(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(spec.param_names) == sorted(names)
+    assert len(spec.param_names) == len(set(spec.param_names))
+    assert sum(layer.numel for layer in spec.layers) == sum(p.numel() for p in model.parameters())
+    # weight and bias of a module are one layer
+    assert spec.params_of(0) == [f"{spec.names[0]}.weight", f"{spec.names[0]}.bias"]
+    assert spec.prefix(2) == spec.params_of([0, 1])
+    assert spec.layer_of(spec.param_names[-1]) == len(spec) - 1
+    with pytest.raises(ValueError):
+        spec.prefix(len(spec) + 1)
+
+
+def test_layer_spec_lists_buffers_separately():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    spec = LayerSpec.from_model(model)
+    assert spec.names == ["0", "1"]
+    assert set(spec.buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+
+
+def test_unknown_model_and_wrong_input_size_are_clear_errors():
+    with pytest.raises(ConfigError, match="nope.*valid: " + ", ".join(MODELS)):
+        build_model("nope", (1, 28, 28), 10)
+    with pytest.raises(ConfigError, match="cnn2"):
+        build_model("cnn2", (1, 8, 8), 10)
