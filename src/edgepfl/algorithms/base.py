@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,6 +87,10 @@ class Server(ABC):
     def round_metrics(self) -> dict[str, float]:
         """Algorithm-specific per-round figures for metrics.csv (e.g. layers uploaded)."""
         return {}
+
+    def write_artifacts(self, out_dir: Path, plots: bool) -> None:
+        """Algorithm-specific files for the run directory (e.g. a relation-matrix heatmap),
+        written when the run ends; use ``edgepfl.engine.io`` so writes are atomic."""
 
 
 class Client(ABC):

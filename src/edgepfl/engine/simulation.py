@@ -199,6 +199,7 @@ class Simulation:
         summary = self.summary()
         if self.out_dir is not None:
             write_json(self.out_dir / "summary.json", summary)
+            self.server.write_artifacts(self.out_dir, cfg.output.plots)
             if cfg.output.plots:
                 from edgepfl.report.plots import plot_accuracy
                 plot_accuracy(self.metrics, self.out_dir / "accuracy.png",
