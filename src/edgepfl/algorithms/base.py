@@ -91,6 +91,7 @@ class Server(ABC):
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
         """Algorithm-specific files for the run directory (e.g. a relation-matrix heatmap),
         written when the run ends; use ``edgepfl.engine.io`` so writes are atomic."""
+        return None
 
 
 class Client(ABC):
