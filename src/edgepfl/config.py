@@ -41,10 +41,10 @@ class ModelConfig(_Section):
 
 
 class TrainConfig(_Section):
-    rounds: int = Field(30, ge=1, description="communication rounds")
-    local_epochs: int = Field(1, ge=1, description="local epochs per round")
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(0.05, gt=0, description="client SGD learning rate")
+    rounds: int = Field(50, ge=1, description="communication rounds (KAPC paper: 50)")
+    local_epochs: int = Field(5, ge=1, description="local epochs per round (KAPC paper: 5)")
+    batch_size: int = Field(32, ge=1, description="client mini-batch size")
+    lr: float = Field(0.01, gt=0, description="client SGD learning rate (KAPC paper: 0.01)")
     momentum: float = Field(0.0, ge=0, lt=1, description="client SGD momentum (reset every round)")
     weight_decay: float = Field(0.0, ge=0)
     participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round")
@@ -52,7 +52,7 @@ class TrainConfig(_Section):
 
 class EvalConfig(_Section):
     every: int = Field(1, ge=1, description="evaluate every this many rounds (and the last)")
-    batch_size: int = Field(1024, ge=1)
+    batch_size: int = Field(1024, ge=1, description="evaluation batch size (no effect on results)")
 
 
 class OutputConfig(_Section):
