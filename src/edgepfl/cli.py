@@ -30,6 +30,20 @@ def _progress_flag(quiet: bool) -> bool | None:
     return False if quiet else None
 
 
+def _threads(value: int | None) -> None:
+    """Threads are a property of the machine, not of the experiment, so not a setting."""
+    if value is not None:
+        if value < 1:
+            raise EdgepflError(f"--threads {value} must be at least 1")
+        import torch
+
+        torch.set_num_threads(value)
+
+
+THREADS_HELP = ("torch CPU threads (default: torch's choice; 1 is often fastest for small "
+                "models or when other jobs share the cores)")
+
+
 def _print_summary(summary: dict, out: Path | None) -> None:
     def pct(v):
         return "-" if v is None else f"{100 * v:.2f}%"
@@ -59,13 +73,15 @@ def main() -> None:
 @click.option("--resume", type=click.Path(file_okay=False, exists=True, path_type=Path),
               help="continue the run in this directory from its last checkpoint")
 @click.option("--quiet", is_flag=True, help="no progress display")
+@click.option("--threads", type=int, help=THREADS_HELP)
 @_user_errors
 def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
-        resume: Path | None, quiet: bool) -> None:
+        resume: Path | None, quiet: bool, threads: int | None) -> None:
     """Run one algorithm. With no arguments: FedAvg on digits, 10 clients, Dirichlet 0.3."""
     from edgepfl.config import config_from_sources
     from edgepfl.engine.simulation import resume_run, start_run
 
+    _threads(threads)
     if resume is not None:
         if out is not None and out != resume:
             raise EdgepflError("--out and --resume name different directories; a resume "
@@ -96,12 +112,14 @@ def _csv_list(value: str, kind: type, option: str) -> list:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="output directory (default runs/compare-<time>)")
 @click.option("--quiet", is_flag=True, help="no progress display")
+@click.option("--threads", type=int, help=THREADS_HELP)
 @_user_errors
 def compare(config: Path | None, algorithms: str, seeds: str, overrides: tuple[str, ...],
-            out: Path | None, quiet: bool) -> None:
+            out: Path | None, quiet: bool, threads: int | None) -> None:
     """Compare algorithms on the same partition and client sequence, over seeds."""
     from datetime import datetime
 
+    _threads(threads)
     from edgepfl.algorithms import get_algorithm
     from edgepfl.config import config_from_sources
     from edgepfl.report.compare import compare as run_compare
