@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edgepfl.algorithms import fedavg, fedprox, local
+from edgepfl.algorithms import fedavg, fedprox, kapc, local
 from edgepfl.algorithms.base import (
     Algorithm,
     Client,
@@ -14,7 +14,8 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.errors import ConfigError
 
-ALGORITHMS: dict[str, Algorithm] = {m.ALGORITHM.name: m.ALGORITHM for m in (local, fedavg, fedprox)}
+ALGORITHMS: dict[str, Algorithm] = {m.ALGORITHM.name: m.ALGORITHM for m in (local, fedavg, fedprox, kapc)}
+ALGORITHMS.update({a.name: a for a in kapc.ALGORITHMS})
 
 
 def get_algorithm(name: str) -> Algorithm:

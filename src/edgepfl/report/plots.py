@@ -40,7 +40,7 @@ def plot_accuracy(metrics: Sequence[dict], path: Path, title: str) -> None:
         ax.fill_between(r, mean - std, mean + std, alpha=0.2, label="± std")
         ax.plot(r, [row["acc_min"] for row in rows], "--", lw=1, label="worst client")
     ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (personalized)")
+    ax.set_ylabel("test accuracy (each client, own test split)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
