@@ -135,6 +135,26 @@ def compare(config: Path | None, algorithms: str, seeds: str, overrides: tuple[s
     click.echo(f"written: {out}/comparison.csv, comparison.md, comparison.png")
 
 
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True,
+                type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="also write report.md and the plots into this directory")
+@_user_errors
+def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
+    """Cost table across runs (time per round split into download, client, upload,
+    server; MB; GFLOPs) and plots of accuracy against bytes and simulated time."""
+    from edgepfl.engine.io import write_bytes_atomic
+    from edgepfl.report.tables import report_plots, report_table
+
+    table = report_table(list(run_dirs))
+    click.echo(table)
+    if out is not None:
+        write_bytes_atomic(out / "report.md", table.encode())
+        for path in report_plots(list(run_dirs), out):
+            click.echo(f"written: {path}")
+
+
 @main.command(name="list")
 def list_() -> None:
     """Algorithms, data sets, models, partition schemes and settings."""

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgepfl.errors import ConfigError
+from edgepfl.system.config import SystemConfig
 
 
 class _Section(BaseModel):
@@ -79,6 +80,7 @@ class Config(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     eval: EvalConfig = EvalConfig()
     output: OutputConfig = OutputConfig()
+    system: SystemConfig = SystemConfig()
 
 
 def _format_validation_error(exc: ValidationError, data: dict) -> str:
@@ -89,6 +91,8 @@ def _format_validation_error(exc: ValidationError, data: dict) -> str:
             section = _section_model(err["loc"][:-1])
             valid = ", ".join(section.model_fields) if section else "?"
             lines.append(f"unknown setting {key!r}; valid keys here: {valid}")
+        elif isinstance(err.get("input"), dict):
+            lines.append(f"{key or 'config'}: {err['msg']}")
         else:
             lines.append(f"{key} = {err.get('input')!r}: {err['msg']}")
     return "invalid configuration:\n  " + "\n  ".join(lines)

@@ -32,9 +32,18 @@ from edgepfl.engine.rng import derive_seed, generator, select_clients
 from edgepfl.engine.store import StackedStore
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.models import DEFAULT_MODEL, LayerSpec, build_model
+from edgepfl.system import (
+    COST_COLUMNS,
+    FlopMeter,
+    SystemModel,
+    cost_totals,
+    peak_rss_bytes,
+    state_bytes,
+    work_signature,
+)
 
 METRIC_COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss",
-                  "train_loss", "bytes_up", "bytes_down", "clients", "wall_s"]
+                  "train_loss", "bytes_up", "bytes_down", "clients", "wall_s", *COST_COLUMNS]
 CHECKPOINT = "checkpoint.safetensors"
 
 
@@ -113,6 +122,9 @@ class Simulation:
         self.bytes_up = np.zeros(n, dtype=np.int64)
         self.bytes_down = np.zeros(n, dtype=np.int64)
         self.wall_time = 0.0
+        self.system = SystemModel.build(cfg.system, n, cfg.seed)
+        self.flops = FlopMeter(enabled=cfg.system.count_flops, cache=cfg.system.cache_flops)
+        self.server_state_bytes = state_bytes(self.server.state_dict())
 
     # -- one round ------------------------------------------------------------------
     def step(self) -> dict:
@@ -120,28 +132,42 @@ class Simulation:
         rnd = self.round + 1
         t0 = time.perf_counter()
         selected = select_clients(cfg.seed, rnd, self.num_clients, cfg.train.participation)
-        down = self.server.configure(rnd, selected)
+        with self.flops.measure() as configure_flops:
+            down = self.server.configure(rnd, selected)
         if set(down) != set(selected):
             raise MessageError(f"server configured clients {sorted(down)} but round {rnd} selected {selected}")
         replies, losses, weights = {}, [], []
-        up_total = down_total = 0
+        sent_down: dict[int, int] = {}
+        sent_up: dict[int, int] = {}
+        client_flops: dict[int, int] = {}
         for cid in selected:
-            msg = down[cid]
-            self.bytes_down[cid] += msg.nbytes
-            down_total += msg.nbytes
+            sent_down[cid] = down[cid].nbytes
+            msg, state = down[cid].delivered(), self.clients.row(cid)
             torch.manual_seed(derive_seed(cfg.seed, "torch", rnd, cid))
-            result = self.client.update(cid, msg.delivered(), self.clients.row(cid),
-                                        self.train_data[cid], generator(cfg.seed, "client", rnd, cid))
+            # local training cost depends on shapes, not values: counted once per signature
+            with self.flops.measure(("client", cid, work_signature(msg, state))) as counted:
+                result = self.client.update(cid, msg, state, self.train_data[cid],
+                                            generator(cfg.seed, "client", rnd, cid))
+            client_flops[cid] = counted.flops or 0
             self.clients.set_row(cid, result.state)
-            self.bytes_up[cid] += result.reply.nbytes
-            up_total += result.reply.nbytes
+            sent_up[cid] = result.reply.nbytes
             replies[cid] = result.reply.delivered()
             if "train_loss" in result.stats:
                 losses.append(result.stats["train_loss"])
                 weights.append(self.train_data[cid].n)
-        self.server.aggregate(rnd, replies)
+        with self.flops.measure() as aggregate_flops:
+            self.server.aggregate(rnd, replies)
+        for cid in selected:
+            self.bytes_down[cid] += sent_down[cid]
+            self.bytes_up[cid] += sent_up[cid]
+        self.server_state_bytes = max(self.server_state_bytes, state_bytes(self.server.state_dict()))
+        counting = self.flops.enabled
+        costs = self.system.round_costs(
+            selected, sent_down, sent_up, client_flops if counting else None,
+            (configure_flops.flops or 0) + (aggregate_flops.flops or 0) if counting else None)
 
-        row: dict = {"round": rnd, "bytes_up": up_total, "bytes_down": down_total,
+        row: dict = {"round": rnd, "bytes_up": sum(sent_up.values()),
+                     "bytes_down": sum(sent_down.values()),
                      "clients": len(selected),
                      "train_loss": float(np.average(losses, weights=weights)) if losses else math.nan}
         if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
@@ -149,6 +175,7 @@ class Simulation:
         else:
             row.update(acc_mean=math.nan, acc_weighted=math.nan, acc_std=math.nan,
                        acc_min=math.nan, loss=math.nan)
+        row.update(costs)
         row.update(self.server.round_metrics())
         row["wall_s"] = time.perf_counter() - t0
         self.wall_time += row["wall_s"]
@@ -232,6 +259,10 @@ class Simulation:
             "bytes_up_per_client": self.bytes_up.tolist(),
             "bytes_down_per_client": self.bytes_down.tolist(),
             "wall_time_s": self.wall_time,
+            **cost_totals(self.metrics),
+            "server_state_bytes": self.server_state_bytes,
+            "client_state_bytes": self.clients.nbytes(),
+            "peak_rss_bytes": peak_rss_bytes(),
             "model_params": sum(layer.numel for layer in self.layers.layers),
             "layers": self.layers.names,
             "edgepfl_version": __version__,
@@ -245,6 +276,7 @@ class Simulation:
         part = self.partition.to_json(self.dataset.y_train, self.dataset.y_test)
         part["layers"] = self.layers.to_json()
         write_json(out / "partition.json", part)
+        write_json(out / "system.json", self.system.describe())
         if self.cfg.output.plots:
             from edgepfl.report.plots import plot_partition
             counts, _ = self.partition.class_counts(self.dataset.y_train, self.dataset.y_test)
@@ -257,6 +289,7 @@ class Simulation:
         meta = {"round": self.round, "config": self.cfg.model_dump(), "metrics": self.metrics,
                 "client_acc": self.client_acc, "bytes_up": self.bytes_up.tolist(),
                 "bytes_down": self.bytes_down.tolist(), "wall_time_s": self.wall_time,
+                "server_state_bytes": self.server_state_bytes,
                 "edgepfl_version": __version__}
         write_tensors(self.out_dir / CHECKPOINT, tensors, meta)
 
@@ -274,6 +307,7 @@ class Simulation:
         self.bytes_up = np.array(meta["bytes_up"], dtype=np.int64)
         self.bytes_down = np.array(meta["bytes_down"], dtype=np.int64)
         self.wall_time = float(meta["wall_time_s"])
+        self.server_state_bytes = int(meta.get("server_state_bytes", self.server_state_bytes))
 
 
 def default_run_dir(cfg: Config, base: Path = Path("runs")) -> Path:

@@ -1,0 +1,573 @@
+"""KAPC and KAPC+BLS (Zhi et al., AAAI 2024 and its journal extension).
+
+KAPC (Knowledge-Aware Parameter Coaching). The server keeps every client's latest upload
+and a relation cube R (N x L x N): r_ij^l says how much client i's layer l should lean on
+client j's layer l. Each round it takes E_r projected gradient steps on
+
+    f(r_i) = lambda * f_s(r_i W, w_i) + beta/2 ||r_i - 1/N||^2            (Eq. 11-13)
+
+for the selected clients, builds each one's personalized regularizer s_i^l = sum_j r_ij^l
+w_j^l (Eq. 15) and sends it; the client trains E local epochs on CE + lambda f_s(s_i, w_i)
+(Eq. 16-17) and uploads its model, which it also keeps as its personal model.
+
+The R gradient is closed-form: with f_s = ||.||^2, d/dr_ij^l = 2 <s_i^l - w_i^l, w_j^l>, so
+for all i, j of a layer at once it is 2 (r^l G^l - G^l) with G^l the Gram matrix of the
+stacked layer parameters. One n x P product per layer and n x n arithmetic per step: no
+loop over client pairs, and the server never materialises n personalized models to get
+the gradient.
+
+KAPC+BLS (Bidirectional Layer Selection, journal Sec. 5-6). Down: layer l of s_i is not
+sent when client i's self-relation r_ii^l >= mu (Algorithm 3); the client then coaches that
+layer towards its own previous weights (Eq. 20). Up: after training the client uploads only
+its first Omega_i layers, Omega_i chosen with the generalization-bound criterion (29) from
+norm estimates B, tau (Eq. 30-31) by a neighbour search from the previous Omega
+(Algorithm 4); the server fills the other layers with the client's stale upload (Eq. 33).
+
+Choices where the papers leave room are hyperparameters, documented in
+docs/algorithms.md (section "kapc / kapc_bls").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Hyperparameters,
+    Server,
+    ServerContext,
+    State,
+    UpdateResult,
+)
+from edgepfl.algorithms.local import fit
+from edgepfl.algorithms.training import ClientData
+from edgepfl.engine.messages import Message, MessageError
+from edgepfl.engine.rng import generator
+from edgepfl.models.layers import LayerSpec
+
+PAPER = ("Zhi et al., Knowledge-Aware Parameter Coaching for Personalized Federated Learning, "
+         "AAAI 2024; journal extension: Knowledge-Aware Parameter Coaching for "
+         "Communication-Efficient Personalized Federated Learning in Mobile Edge Computing")
+
+# Columns of the server Gram computation are processed in chunks of about this many
+# float64 values, so that N x P never has to exist in float64 at once.
+_GRAM_CHUNK = 1 << 22
+
+
+# ---------------------------------------------------------------------------------------
+# hyperparameters
+# ---------------------------------------------------------------------------------------
+class KAPCHyperparameters(Hyperparameters):
+    lam: float = Field(1.0, ge=0, description=(
+        "lambda: weight of the coaching term f_s in the client loss (Eq. 16) and in R's "
+        "objective (Eq. 11); the paper's ablation (Fig. 6) is centred on lambda = 1"))
+    beta: float = Field(0.01, ge=0, description=(
+        "beta: pull of every relation vector towards 1/N (Eq. 11); Fig. 6 uses "
+        "beta/(2 lambda) = 0.005 at alpha = 0.1, i.e. beta = 0.01 at lambda = 1"))
+    r_lr: float = Field(0.01, ge=0, description="eta_r: learning rate of R (Sec. 7.1: 0.01)")
+    r_epochs: int = Field(1, ge=0, description=(
+        "E_r: projected gradient steps on R per round (Sec. 7.1: 1); 0 keeps R fixed"))
+    r_init: Literal["uniform", "random", "self"] = Field("uniform", description=(
+        "initial R (the paper says only 'randomly'): uniform = 1/N (the minimiser of the "
+        "beta term), random = uniform draw from the simplex per relation vector (seeded), "
+        "self = one-hot on the client itself"))
+    coaching_loss: Literal["squared", "l2"] = Field("squared", description=(
+        "f_s per layer: squared = ||s - w||^2 (the form the journal writes in Sec. 5.2 and "
+        "its smoothness assumption needs), l2 = ||s - w|| (plain norm)"))
+    r_grad_scale: Literal["sum", "spread"] = Field("sum", description=(
+        "unit of f_s in the R step: sum = the paper's norm over all of a layer's parameters "
+        "(R moves faster on big layers and as clients drift apart); spread = f_s divided by "
+        "the participants' mean squared distance to their mean on that layer (scale-free: "
+        "eta_r means the same for every layer, model and round)"))
+
+
+class KAPCBLSHyperparameters(KAPCHyperparameters):
+    mu: float = Field(0.7, ge=0, description=(
+        "self-relation threshold: layer l of s_i is not sent when r_ii^l >= mu "
+        "(Algorithm 3); the journal's Tables 5-6 use 0.7, Table 3 sweeps 0.3-0.9"))
+    select_layers: bool = Field(True, description=(
+        "client-side layer selection (Algorithm 4); false uploads every layer (an ablation: "
+        "server-side selection only)"))
+
+
+# ---------------------------------------------------------------------------------------
+# the relation cube: projection, Gram matrices, closed-form gradient
+# ---------------------------------------------------------------------------------------
+def project_simplex(v: torch.Tensor) -> torch.Tensor:
+    """Euclidean projection of every vector along the last dim onto the probability simplex.
+
+    The sort-based algorithm of Duchi et al. (ICML 2008). The paper only says R is
+    "normalized by row"; projection keeps r >= 0 with rows summing to 1 (so s_i is a convex
+    combination and ||s_i|| <= max_j ||w_j||, which BLS's bound relies on) and turns the
+    gradient steps into projected gradient descent on the feasible set.
+    """
+    n = v.shape[-1]
+    u, _ = torch.sort(v, dim=-1, descending=True)
+    css = u.cumsum(-1) - 1
+    k = torch.arange(1, n + 1, dtype=v.dtype, device=v.device)
+    # u_k - css_k / k > 0 holds exactly for k <= rho; k = 1 always qualifies
+    rho = (u - css / k > 0).sum(-1, keepdim=True)
+    theta = css.gather(-1, rho - 1) / rho.to(v.dtype)
+    return (v - theta).clamp_min(0)
+
+
+def layer_gram(stacks: Sequence[torch.Tensor], center: bool = True) -> torch.Tensor:
+    """Gram matrix (float64, n x n) of the n stacked rows of one layer's parameters.
+
+    ``stacks`` are that layer's parameter stacks ``[n, *shape]`` (weight and bias); the
+    layer is their concatenation. Centering (subtracting the mean row per coordinate) does
+    not change f_s for relation vectors on the simplex, since sum_j r_ij = 1 makes
+    r_i (X - 1 xbar) - (x_i - xbar) = r_i X - x_i; it changes the gradient only by a
+    constant along j, which the projection removes. What it removes is the cancellation
+    of ||w||^2-sized terms that otherwise swamps the small differences between clients.
+    """
+    n = stacks[0].shape[0]
+    gram = torch.zeros(n, n, dtype=torch.float64)
+    chunk = max(1, _GRAM_CHUNK // max(n, 1))
+    for stack in stacks:
+        flat = stack.reshape(n, -1)
+        for start in range(0, flat.shape[1], chunk):
+            x = flat[:, start:start + chunk].to(torch.float64)
+            if center:
+                x = x - x.mean(0, keepdim=True)
+            gram += x @ x.T
+    return gram
+
+
+def relation_grad(r: torch.Tensor, gram: torch.Tensor, loss: str = "squared") -> torch.Tensor:
+    """d/dr_ij^l of sum_l f_s(sum_j r_ij^l w_j^l, w_i^l), for all i, l, j at once.
+
+    ``r`` is ``[n, L, n]`` and ``gram`` ``[L, n, n]`` with gram[l, j, k] = <w_j^l, w_k^l>.
+    With e_i^l = s_i^l - w_i^l: <e_i^l, w_j^l> = (r^l G^l - G^l)_ij, so the squared loss
+    has gradient 2 (r^l G^l - G^l) and the plain norm (r^l G^l - G^l) / ||e_i^l||, where
+    ||e_i^l||^2 = sum_j r_ij^l <e_i^l, w_j^l> - <e_i^l, w_i^l> (a zero norm gets the zero
+    subgradient).
+    """
+    diff = torch.einsum("ilk,lkj->ilj", r, gram) - gram.permute(1, 0, 2)
+    if loss == "squared":
+        return 2 * diff
+    if loss != "l2":
+        raise ValueError(f"unknown coaching loss {loss!r}")
+    own = torch.diagonal(diff, dim1=0, dim2=2).T  # [i, l] = <e_i^l, w_i^l>
+    norm = ((r * diff).sum(-1) - own).clamp_min(0).sqrt()
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    return torch.where(norm.unsqueeze(-1) > 0, diff / safe.unsqueeze(-1), torch.zeros_like(diff))
+
+
+def init_relations(kind: str, num_clients: int, num_layers: int, seed: int) -> torch.Tensor:
+    n, L = num_clients, num_layers
+    if kind == "uniform":
+        return torch.full((n, L, n), 1.0 / n, dtype=torch.float64)
+    if kind == "self":
+        r = torch.zeros(n, L, n, dtype=torch.float64)
+        r[torch.arange(n), :, torch.arange(n)] = 1.0
+        return r
+    if kind == "random":
+        # normalised i.i.d. exponentials = Dirichlet(1, ..., 1): uniform on the simplex
+        u = torch.rand(n, L, n, generator=generator(seed, "kapc", "relations"), dtype=torch.float64)
+        e = -torch.log1p(-u)
+        return e / e.sum(-1, keepdim=True)
+    raise ValueError(f"unknown relation init {kind!r}")
+
+
+def relation_step(r: torch.Tensor, gram: torch.Tensor, hp: KAPCHyperparameters,
+                  num_clients: int) -> torch.Tensor:
+    """E_r projected gradient steps of Eq. 12 / Eq. 32 on relation vectors ``r`` [n, L, n].
+
+    ``gram`` is the participants' centred Gram per layer (see ``layer_gram``).
+    """
+    if hp.r_grad_scale == "spread":
+        # mean squared distance of the participants' layer to their mean = trace(G_c) / n;
+        # f_s in those units (its square root for the plain norm) is dimensionless
+        spread = torch.diagonal(gram, dim1=1, dim2=2).sum(-1) / gram.shape[-1]
+        unit = spread if hp.coaching_loss == "squared" else spread.sqrt()
+        unit = torch.where(unit > 0, unit, torch.ones_like(unit)).view(1, -1, 1)
+    for _ in range(hp.r_epochs):
+        grad = relation_grad(r, gram, hp.coaching_loss)
+        if hp.r_grad_scale == "spread":
+            grad = grad / unit
+        # the target 1/N (Eq. 32 keeps N, not the slice size) only shifts all entries of a
+        # relation vector alike, which the projection removes: 1/N or 1/n give the same step
+        r = project_simplex(r - hp.r_lr * (hp.lam * grad + hp.beta * (r - 1.0 / num_clients)))
+    return r
+
+
+# ---------------------------------------------------------------------------------------
+# BLS client side: the generalization-bound criterion (29) and the Omega search
+# ---------------------------------------------------------------------------------------
+def _bound_sum(tau: Sequence[float], B: Sequence[float], n_cols: Sequence[int],
+               omega: int) -> float:
+    """M(Omega) of (27)-(29): sum_{m<=Omega} tau_m / (2 B_m) * prod_{j=m+1..Omega} sqrt(n_j)."""
+    total = 0.0
+    for m in range(omega):
+        factor = math.prod(math.sqrt(n_cols[j]) for j in range(m + 1, omega))
+        total += tau[m] / (2 * max(B[m], 1e-12)) * factor
+    return total
+
+
+def omega_criterion(omega: int, B: Sequence[float], tau: Sequence[float],
+                    B_hat: Sequence[float], tau_hat: Sequence[float], d_out: Sequence[int],
+                    n_cols: Sequence[int], num_classes: int) -> bool:
+    """Inequality (29): L d_Omega M^(Omega) / (Omega c 2^(L-Omega)) prod_j B^_j/B_j <= M."""
+    L = len(B)
+    ratio = math.prod(bh / max(b, 1e-12) for bh, b in zip(B_hat, B, strict=True))
+    lhs = (L * d_out[omega - 1] * _bound_sum(tau_hat, B_hat, n_cols, omega)
+           / (omega * max(num_classes, 1) * 2.0 ** (L - omega)) * ratio)
+    return lhs <= _bound_sum(tau, B, n_cols, L)
+
+
+def search_omega(prev: int, num_layers: int, holds: Callable[[int], bool]) -> tuple[int, int]:
+    """Neighbour search from the previous Omega for the largest Omega where ``holds``.
+
+    Returns (Omega, criterion evaluations). The left side of (29) grows with Omega (the
+    2^(L-Omega) in its denominator shrinks and M^ gains terms), so the criterion holds
+    for the short prefixes and fails from some length on; the search walks from the
+    previous Omega up while the next length still holds, or down until one holds, and
+    stops at 1 (a client always shares its first layer, Omega in [1, L]). The paper's
+    pseudo-code (Algorithm 4, lines 16-24) states the two walking directions the other
+    way round, which under its own criterion would always end at Omega = 1; we follow
+    the reading that reproduces its Fig. 8 (about 19 of 21 layers uploaded).
+    """
+    L = num_layers
+    omega = min(max(int(prev), 1), L)
+    evals = 1
+    if holds(omega):
+        while omega < L:
+            evals += 1
+            if not holds(omega + 1):
+                break
+            omega += 1
+    else:
+        while omega > 1:
+            omega -= 1
+            evals += 1
+            if holds(omega):
+                break
+    return omega, evals
+
+
+def layer_shapes(spec: LayerSpec, model: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(d_l, n_l) per layer for (29): output dimension and columns of the layer's weight.
+
+    The weight is the layer's first parameter; a conv weight [out, in, kh, kw] is read as
+    the matrix [out, in*kh*kw] the bound is stated for.
+    """
+    d_out, n_cols = [], []
+    for layer in spec.layers:
+        w = model[layer.params[0]]
+        d = int(w.shape[0]) if w.dim() > 0 else 1
+        d_out.append(d)
+        n_cols.append(max(1, w.numel() // max(d, 1)))
+    return d_out, n_cols
+
+
+# ---------------------------------------------------------------------------------------
+# server
+# ---------------------------------------------------------------------------------------
+class KAPCServer(Server):
+    """Relation cube, the clients' latest uploads, and the personalized regularizers."""
+
+    bls = False
+
+    def __init__(self, ctx: ServerContext, hp: KAPCHyperparameters):
+        super().__init__(ctx, hp)
+        spec = ctx.layers
+        self.spec = spec
+        self.layer_params = [list(layer.params) for layer in spec.layers]
+        n = ctx.num_clients
+        # Before any upload the server's row for a client is the shared initial model: every
+        # client starts from it (Algorithm 1, line 1), so it is exact, not a placeholder.
+        self.W: dict[str, torch.Tensor] = {
+            p: ctx.init_model[p].detach().unsqueeze(0).repeat(n, *([1] * ctx.init_model[p].dim()))
+            for p in spec.param_names}
+        self.R = init_relations(hp.r_init, n, len(spec), ctx.seed)
+        self._metrics: dict[str, float] = {}
+
+    # -- one round ----------------------------------------------------------------------
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
+        clients = sorted(selected)
+        idx = torch.tensor(clients, dtype=torch.long)
+        n, L = len(clients), len(self.spec)
+        rows, layers, cols = idx.view(-1, 1, 1), torch.arange(L).view(1, -1, 1), idx.view(1, 1, -1)
+        # Algorithm 5: slice R to the participants and normalise; for full participation the
+        # slice is R itself. Rows of R are on the simplex, so the slice is non-negative and
+        # normalising is a rescale by its mass.
+        sub = self.R[rows, layers, cols]
+        mass = sub.sum(-1, keepdim=True)
+        r = torch.where(mass > 0, sub / mass.clamp_min(1e-300), torch.full_like(sub, 1.0 / n))
+        if self.hp.r_epochs > 0:
+            gram = torch.stack([layer_gram([self.W[p][idx] for p in params])
+                                for params in self.layer_params])
+            r = relation_step(r, gram, self.hp, self.ctx.num_clients)
+            # write the slice back with its mass kept: relations to clients absent this
+            # round keep their values and every full relation vector still sums to 1
+            self.R[rows, layers, cols] = torch.where(mass > 0, r * mass, sub)
+        messages, sent = {}, []
+        for l_idx, params in enumerate(self.layer_params):
+            send = torch.ones(n, dtype=torch.bool)
+            if self.bls:
+                # Algorithm 3: a layer whose self-relation is >= mu would be nearly the
+                # client's own weights, so it is not worth the downlink
+                send = r[torch.arange(n), l_idx, torch.arange(n)] < self.hp.mu
+            if not bool(send.any()):
+                continue
+            weights = r[:, l_idx, :]
+            for p in params:
+                stack = self.W[p][idx]
+                s = torch.einsum("ij,j...->i...", weights.to(stack.dtype), stack)  # Eq. 15/34
+                for a, cid in enumerate(clients):
+                    if send[a]:
+                        messages.setdefault(cid, {})[p] = s[a]
+        for cid in clients:
+            tensors = messages.get(cid, {})
+            sent.append(sum(all(p in tensors for p in params) for params in self.layer_params))
+        self._metrics = {"layers_down_mean": float(sum(sent)) / max(len(sent), 1)}
+        return {cid: Message(messages.get(cid, {})) for cid in clients}
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        counts = []
+        for cid, reply in replies.items():
+            count = self._uploaded_layers(cid, reply)
+            for p in self.spec.prefix(count):
+                value = reply.tensors[p]
+                target = self.W[p][cid]
+                if value.shape != target.shape:
+                    raise MessageError(f"client {cid} sent {p!r} of shape {tuple(value.shape)}, "
+                                       f"expected {tuple(target.shape)}")
+                target.copy_(value)  # layers not uploaded keep their stale value (Eq. 33)
+            counts.append(count)
+        if counts:
+            self._metrics["layers_up_mean"] = float(sum(counts)) / len(counts)
+
+    def _uploaded_layers(self, cid: int, reply: Message) -> int:
+        """The reply's prefix length Omega; anything but a whole-layer prefix is an error."""
+        names = set(reply.tensors)
+        count = 0
+        while count < len(self.layer_params) and all(p in names for p in self.layer_params[count]):
+            count += 1
+        expected = set(self.spec.prefix(count))
+        if names != expected or count == 0 or (not self.bls and count != len(self.layer_params)):
+            what = "every layer" if not self.bls else "the parameters of its first Omega >= 1 layers"
+            raise MessageError(f"client {cid} must upload {what}; it sent {sorted(names)}")
+        return count
+
+    # -- state, metrics, files ------------------------------------------------------------
+    def round_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    def state_dict(self) -> State:
+        state = {"R": self.R}
+        state.update({f"W.{p}": v for p, v in self.W.items()})
+        return state
+
+    def load_state_dict(self, state: State) -> None:
+        expected = {"R"} | {f"W.{p}" for p in self.W}
+        if set(state) != expected:
+            raise ValueError(f"KAPC server state has {sorted(state)}, expected {sorted(expected)}")
+        if state["R"].shape != self.R.shape:
+            raise ValueError(f"relation cube of shape {tuple(state['R'].shape)}, "
+                             f"expected {tuple(self.R.shape)}")
+        self.R = state["R"].clone().to(torch.float64)
+        self.W = {p: state[f"W.{p}"].clone() for p in self.W}
+
+    def write_artifacts(self, out_dir: Path, plots: bool) -> None:
+        from edgepfl.engine.io import write_tensors
+
+        out_dir = Path(out_dir)
+        write_tensors(out_dir / "relation_cube.safetensors", {"R": self.R},
+                      {"axes": ["client i", "layer l", "client j"], "layers": self.spec.names})
+        if plots:
+            client = self.ctx.num_clients - 1  # the paper's Fig. 7 shows the last client (9 of 10)
+            plot_relation_matrix(self.R[client], self.spec.names,
+                                 out_dir / f"relation_client{client}.png",
+                                 f"relation matrix of client {client} (layers x clients)")
+
+
+def plot_relation_matrix(matrix: torch.Tensor, layer_names: list[str], path: Path,
+                         title: str) -> None:
+    """Heatmap of one client's relation matrix r_i (layers x clients), as the paper's Fig. 7."""
+    from edgepfl.report.plots import _save, plt
+
+    L, n = matrix.shape
+    fig, ax = plt.subplots(figsize=(min(14.0, 2.5 + 0.35 * n), 1.6 + 0.45 * L))
+    im = ax.imshow(matrix.numpy(), aspect="auto", cmap="viridis", vmin=0.0,
+                   vmax=max(float(matrix.max()), 1e-12), interpolation="nearest")
+    ax.set_yticks(range(L), labels=layer_names)
+    if n <= 40:
+        ax.set_xticks(range(n))
+    ax.set_xlabel("client j")
+    ax.set_ylabel("layer l")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label="r_ij^l")
+    _save(fig, path)
+
+
+class KAPCBLSServer(KAPCServer):
+    bls = True
+
+
+# ---------------------------------------------------------------------------------------
+# client
+# ---------------------------------------------------------------------------------------
+def coaching_hook(lam: float, targets: list[torch.Tensor], loss: str,
+                  groups: list[list[int]] | None = None):
+    """Gradient of lambda * sum_l f_s(s^l, w^l), added to the CE gradient in place (Eq. 17).
+
+    squared: 2 lambda (w - s); l2: lambda (w^l - s^l) / ||w^l - s^l|| per layer ``groups``
+    (indices into the parameter list), the zero subgradient where the layer matches s.
+    """
+    def squared(params, grads):
+        diffs = torch._foreach_sub(list(params), targets)
+        torch._foreach_add_(list(grads), diffs, alpha=2 * lam)
+
+    def plain(params, grads):
+        diffs = torch._foreach_sub(list(params), targets)
+        for group in groups or []:
+            norm = torch.sqrt(sum((diffs[k] * diffs[k]).sum() for k in group))
+            if float(norm) > 0:
+                for k in group:
+                    grads[k].add_(diffs[k], alpha=lam / float(norm))
+
+    return squared if loss == "squared" else plain
+
+
+class KAPCClient(Client):
+    """Personal model kept in state as ``model.<name>``, as ``local`` does."""
+
+    bls = False
+
+    def __init__(self, ctx: ClientContext, hp: KAPCHyperparameters):
+        super().__init__(ctx, hp)
+        spec = ctx.layers
+        self.spec = spec
+        self.names = self.trainer.param_names
+        position = {p: k for k, p in enumerate(self.names)}
+        self.groups = [[position[p] for p in layer.params] for layer in spec.layers]
+        self.d_out, self.n_cols = layer_shapes(spec, dict(self.trainer.params))
+
+    def init_state(self, cid: int, init_model: State) -> State:
+        state = {f"model.{k}": v for k, v in init_model.items()}
+        if self.bls:
+            L = len(self.spec)
+            state.update({
+                "bls.q": torch.tensor(0, dtype=torch.int64),         # times selected (q_i)
+                "bls.omega": torch.tensor(L, dtype=torch.int64),     # Omega of the last upload
+                "bls.B": torch.zeros(L, dtype=torch.float64),        # B_i^l of Eq. 30 (max kept)
+                "bls.tau": torch.zeros(L, dtype=torch.float64),      # tau_i^l of Eq. 31 (max kept)
+            })
+        return state
+
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+
+    def _targets(self, msg: Message, previous: State) -> list[torch.Tensor]:
+        """The coaching target per parameter: s_i where sent, else the previous weights."""
+        for layer in self.spec.layers:
+            have = [p in msg.tensors for p in layer.params]
+            if any(have) and not all(have):
+                raise MessageError(f"regularizer has part of layer {layer.name!r}: "
+                                   f"{[p for p in layer.params if p in msg.tensors]}")
+            if not self.bls and not all(have):
+                raise MessageError(f"KAPC regularizer lacks layer {layer.name!r}")
+        extra = set(msg.tensors) - set(self.names)
+        if extra:
+            raise MessageError(f"regularizer has unknown parameters {sorted(extra)}")
+        targets = []
+        for p in self.names:
+            t = msg.tensors.get(p, previous[p])  # Eq. 20: own last-round weights if not sent
+            if t.shape != previous[p].shape:
+                raise MessageError(f"regularizer {p!r} has shape {tuple(t.shape)}, "
+                                   f"expected {tuple(previous[p].shape)}")
+            targets.append(t)
+        return targets
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        previous = self.personal_model(state, None)
+        self.trainer.load(previous)
+        targets = self._targets(msg, previous)
+        hook = None
+        if self.hp.lam > 0:  # lambda = 0 adds nothing at all: exactly local training
+            hook = coaching_hook(self.hp.lam, targets, self.hp.coaching_loss, self.groups)
+        stats = fit(self, data, gen, grad_hook=hook)
+        trained = self.trainer.export()
+        new_state: State = {f"model.{k}": v for k, v in trained.items()}
+        count = len(self.spec)
+        if self.bls:
+            count, bls_state, evals = self._select_layers(state, trained, targets, data)
+            new_state.update(bls_state)
+            stats["omega_evals"] = float(evals)
+        stats["layers_up"] = float(count)
+        reply = Message({p: trained[p] for p in self.spec.prefix(count)})
+        return UpdateResult(reply, new_state, stats)
+
+    def _select_layers(self, state: State, trained: State, targets: list[torch.Tensor],
+                       data: ClientData) -> tuple[int, State, int]:
+        """Algorithm 4: Omega_i and the updated norm estimates."""
+        L = len(self.spec)
+        target = dict(zip(self.names, targets, strict=True))
+        B_cur = torch.zeros(L, dtype=torch.float64)
+        tau_cur = torch.zeros(L, dtype=torch.float64)
+        for l_idx, layer in enumerate(self.spec.layers):
+            B_cur[l_idx] = math.sqrt(sum(float(trained[p].double().pow(2).sum()) for p in layer.params))
+            tau_cur[l_idx] = math.sqrt(sum(float((trained[p] - target[p]).double().pow(2).sum())
+                                           for p in layer.params))      # Eq. 30, 31
+        q, prev = int(state["bls.q"]), int(state["bls.omega"])
+        B, tau = state["bls.B"].clone(), state["bls.tau"].clone()
+        evals = 0
+        if not self.hp.select_layers:
+            omega = L
+        elif q == 0 or prev == L:
+            # the regularizer was full-layered: refresh B and tau as running maxima and
+            # restart from L - 1 (Algorithm 4, lines 3-9)
+            B, tau = torch.maximum(B, B_cur), torch.maximum(tau, tau_cur)
+            omega = max(1, L - 1)
+        else:
+            classes = int(data.y.index_select(0, data.idx).unique().numel())
+            holds = functools.partial(
+                omega_criterion, B=B.tolist(), tau=tau.tolist(), B_hat=B_cur.tolist(),
+                tau_hat=tau_cur.tolist(), d_out=self.d_out, n_cols=self.n_cols,
+                num_classes=classes)
+            omega, evals = search_omega(prev, L, holds)
+        bls_state = {"bls.q": torch.tensor(q + 1, dtype=torch.int64),
+                     "bls.omega": torch.tensor(omega, dtype=torch.int64),
+                     "bls.B": B, "bls.tau": tau}
+        return omega, bls_state, evals
+
+
+class KAPCBLSClient(KAPCClient):
+    bls = True
+
+
+KAPC = Algorithm(
+    name="kapc",
+    summary="KAPC: layer-wise relation cube R on the server; each client is coached towards "
+            "s_i^l = sum_j r_ij^l w_j^l",
+    hyperparameters=KAPCHyperparameters,
+    server=KAPCServer,
+    client=KAPCClient,
+    paper=PAPER,
+)
+
+KAPC_BLS = Algorithm(
+    name="kapc_bls",
+    summary="KAPC with bidirectional layer selection: regularizer layers with self-relation "
+            ">= mu are not sent; clients upload the first Omega layers chosen by a "
+            "generalization bound",
+    hyperparameters=KAPCBLSHyperparameters,
+    server=KAPCBLSServer,
+    client=KAPCBLSClient,
+    paper=PAPER,
+)
+
+ALGORITHM = KAPC
+ALGORITHMS = (KAPC, KAPC_BLS)

@@ -1,0 +1,186 @@
+"""The ``system`` section of a run: wireless links, device speeds, round timing.
+
+Defaults are the KAPC journal paper's Table 4 (Shannon links of a mobile edge network);
+``fixed_rate`` is DC-PFL's 2 Mbps per client; ``custom`` is the Shannon model with your
+own parameters. A setting that the chosen profile would ignore is an error rather than a
+silent no-op, so the profile name in a run's config always says what was simulated.
+Units are in the field names (MHz, dBm, m, FLOP/s); docs/system.md has the equations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from edgepfl.errors import ConfigError
+
+# Lists rather than tuples: a run's config is compared with its JSON copy on resume, and
+# JSON gives lists back.
+Range = Annotated[list[float], Field(min_length=2, max_length=2)]
+
+
+class DeviceTier(BaseModel):
+    """One class of devices (HMPL-style heterogeneity): a speed and a share of the clients."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(description="tier label, recorded per client in system.json")
+    flops: float = Field(gt=0, description="training speed of this tier's devices, FLOP/s")
+    share: float = Field(gt=0, le=1, description="fraction of the clients in this tier")
+
+
+# HMPL (Zhang et al., Sec. III-C and Table III) splits devices 3:4:3 into weak (Com
+# model), ordinary (Ord) and superior (Sup). Its devices are server GPUs, so the speeds
+# here are ours: phone-class training throughput around the ~7 GFLOP/s per client that
+# KAPC's Tables 5-6 imply.
+HMPL_TIERS: tuple[DeviceTier, ...] = (
+    DeviceTier(name="weak", flops=2e9, share=0.3),
+    DeviceTier(name="ordinary", flops=5e9, share=0.4),
+    DeviceTier(name="superior", flops=1e10, share=0.3),
+)
+
+SHANNON_FIELDS = ("client_bandwidth_mhz", "client_power_dbm", "distance_m", "path_loss_db",
+                  "reference_distance_m", "path_loss_exponent", "fading_gain", "noise_dbm_per_hz",
+                  "up_interference_mean", "up_interference_std", "down_interference_mean",
+                  "down_interference_std", "interference_unit", "server_bandwidth_mhz",
+                  "server_power_dbm", "downlink_sharing")
+FIXED_RATE_FIELDS = ("rate_mbps", "down_rate_mbps")
+
+
+class SystemConfig(BaseModel):
+    """Simulated mobile edge network and devices (KAPC Table 4 by default)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    profile: Literal["kapc_table4", "fixed_rate", "custom"] = Field(
+        "kapc_table4", description="kapc_table4 (Shannon links, KAPC Table 4), fixed_rate "
+        "(DC-PFL: rate_mbps per client), custom (Shannon links with your parameters)")
+
+    # -- Shannon links: r = B log2(1 + p h / (I + B N0)) ------------------------------------
+    client_bandwidth_mhz: Range = Field(
+        [10.0, 30.0], description="uplink bandwidth B of a client, MHz, uniform in [lo, hi]")
+    client_power_dbm: Range = Field(
+        [23.0, 30.0], description="client transmit power p, dBm, drawn uniformly in [lo, hi]")
+    distance_m: Range = Field(
+        [100.0, 500.0], description="client-server distance d, m, drawn uniformly in [lo, hi]")
+    path_loss_db: float = Field(-40.0, description="path-loss constant g0 at distance d0, dB")
+    reference_distance_m: float = Field(1.0, gt=0, description="reference distance d0 of g0, m")
+    path_loss_exponent: float = Field(4.0, gt=0, description="large-scale path-loss exponent alpha")
+    fading_gain: float = Field(1.0, gt=0, description="small-scale fading power gain (Table 4: 1)")
+    noise_dbm_per_hz: float = Field(-174.0, description="noise power spectral density N0, dBm/Hz")
+    up_interference_mean: float = Field(1.0, description="uplink co-channel interference: mean")
+    up_interference_std: float = Field(
+        2.0, ge=0, description="uplink interference: std (Table 4: N(1, 4), variance 4)")
+    down_interference_mean: float = Field(1.0, description="downlink co-channel interference: mean")
+    down_interference_std: float = Field(
+        3.0, ge=0, description="downlink interference: std (Table 4: N(1, 9), variance 9)")
+    interference_unit: Literal["noise", "W", "mW", "pW"] = Field(
+        "noise", description="unit of the interference draws: 'noise' = multiples of the link's "
+        "thermal noise power B*N0 (Table 4 gives no unit; see docs/system.md), or W, mW, pW")
+    server_bandwidth_mhz: float = Field(50.0, gt=0, description="server (downlink) bandwidth, MHz")
+    server_power_dbm: float = Field(30.0, description="server transmit power, dBm")
+    downlink_sharing: Literal["full", "fdma"] = Field(
+        "full", description="full: each receiving client gets the whole server band and power "
+        "(matches KAPC Table 5); fdma: band and power split equally among the round's receivers")
+
+    # -- fixed rate ---------------------------------------------------------------------------
+    rate_mbps: float = Field(2.0, gt=0, description="fixed_rate: every client's uplink, Mbit/s")
+    down_rate_mbps: float | None = Field(
+        None, gt=0, description="fixed_rate: downlink rate, Mbit/s (default: rate_mbps)")
+
+    # -- devices ------------------------------------------------------------------------------
+    devices: Literal["uniform", "tiers"] = Field(
+        "uniform", description="uniform: speed drawn in device_flops; tiers: HMPL-style classes")
+    device_flops: Range = Field(
+        [1e9, 1e10], description="uniform: client training speed, FLOP/s, uniform in [lo, hi]")
+    tiers: list[DeviceTier] = Field(
+        list(HMPL_TIERS), description="tiers: device classes (name, flops, share); shares sum to 1")
+    server_flops: float = Field(1e11, gt=0, description="server compute speed, FLOP/s")
+
+    # -- timing and counting ------------------------------------------------------------------
+    round_timing: Literal["phase", "chain"] = Field(
+        "phase", description="phase: every phase waits for its slowest client (KAPC Table 5); "
+        "chain: no barriers, the round lasts as long as the slowest client's whole chain")
+    count_flops: bool = Field(
+        True, description="count FLOPs with torch FlopCounterMode (off: no compute times)")
+    cache_flops: bool = Field(
+        True, description="count a client's local training once per work shape and reuse it")
+
+    @field_validator("client_bandwidth_mhz", "distance_m", "device_flops")
+    @classmethod
+    def _positive_range(cls, value: Range, info) -> Range:
+        lo, hi = value
+        if not 0 < lo <= hi:
+            raise ValueError(f"{info.field_name} = [{lo}, {hi}] must satisfy 0 < lo <= hi")
+        return value
+
+    @field_validator("client_power_dbm")
+    @classmethod
+    def _ordered_range(cls, value: Range, info) -> Range:
+        lo, hi = value
+        if lo > hi:
+            raise ValueError(f"{info.field_name} = [{lo}, {hi}] must satisfy lo <= hi")
+        return value
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers(cls, value: list[DeviceTier]) -> list[DeviceTier]:
+        if not value:
+            raise ValueError("tiers is empty; give at least one {name, flops, share}")
+        names = [t.name for t in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tiers has repeated names {names}; names must be unique")
+        total = sum(t.share for t in value)
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"tier shares sum to {total:g}; they must sum to 1")
+        return value
+
+    @model_validator(mode="after")
+    def _no_ignored_settings(self) -> SystemConfig:
+        """A value the chosen profile would ignore is a mistake, not a no-op."""
+        defaults = type(self).model_fields
+
+        def changed(names: tuple[str, ...]) -> str:
+            return "; ".join(
+                f"{n} = {_show(getattr(self, n))} (default {_show(defaults[n].default)})"
+                for n in names if getattr(self, n) != defaults[n].default)
+
+        if self.profile == "kapc_table4" and (diff := changed(SHANNON_FIELDS)):
+            raise ValueError(f"{diff}: profile 'kapc_table4' means KAPC Table 4 exactly; set "
+                             "profile = 'custom' to simulate your own channel parameters")
+        if self.profile == "fixed_rate" and (diff := changed(SHANNON_FIELDS)):
+            raise ValueError(f"{diff}: applies only to the Shannon profiles 'kapc_table4' and "
+                             "'custom', not to profile = 'fixed_rate'")
+        if self.profile != "fixed_rate" and (diff := changed(FIXED_RATE_FIELDS)):
+            raise ValueError(f"{diff}: applies only to profile = 'fixed_rate', "
+                             f"not to profile = {self.profile!r}")
+        if self.devices == "uniform" and changed(("tiers",)):
+            raise ValueError("tiers apply only to devices = 'tiers', not to devices = 'uniform'")
+        if self.devices == "tiers" and (diff := changed(("device_flops",))):
+            raise ValueError(f"{diff}: applies only to devices = 'uniform', not to 'tiers'")
+        return self
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list) and all(isinstance(v, float) for v in value):
+        return "[" + ", ".join(f"{v:g}" for v in value) + "]"
+    return repr(value)
+
+
+def build_system_config(data: Mapping[str, Any] | None = None) -> SystemConfig:
+    """Validate a ``system`` section on its own; errors become ``ConfigError`` naming the key."""
+    try:
+        return SystemConfig.model_validate(dict(data or {}))
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            key = ".".join(["system", *(str(p) for p in err["loc"])])
+            if err["type"] == "extra_forbidden":
+                valid = ", ".join(SystemConfig.model_fields)
+                lines.append(f"unknown setting {key!r}; valid keys here: {valid}")
+            elif not err["loc"]:  # a whole-section check: its message names the keys
+                lines.append(f"{key}: {err['msg'].removeprefix('Value error, ')}")
+            else:
+                lines.append(f"{key} = {err.get('input')!r}: {err['msg']}")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

@@ -1,0 +1,170 @@
+"""Simulated seconds of a synchronous round from real byte counts and counted FLOPs.
+
+Per selected client k: download d_k = 8 * bytes_down_k / r_down_k, local compute
+c_k = flops_k / speed_k, upload u_k = 8 * bytes_up_k / r_up_k; server time
+s = flops_server / server_speed. The round's figures (``round_timing``):
+
+* ``phase`` (default, KAPC Table 5): every phase is a barrier, so each lasts as long as
+  its slowest client: t_down = max d_k, t_compute = max c_k, t_up = max u_k, and
+  t_round = t_down + t_compute + t_up + t_server. Table 5's four columns add up to its
+  round time in exactly this way.
+* ``chain``: no barriers; a client trains as soon as its download ends and uploads as
+  soon as it has trained. The round lasts max_k (d_k + c_k + u_k) + t_server and the
+  phase columns are the critical (slowest) client's, so they still add up to t_round.
+
+``chain`` never exceeds ``phase``; both are decided by the slowest selected client.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from edgepfl.errors import ConfigError
+from edgepfl.system.channel import Links, draw_links, transfer_time
+from edgepfl.system.config import SystemConfig
+from edgepfl.system.devices import Devices, draw_devices
+
+# Per-round columns for metrics.csv, and the summary totals derived from them.
+COST_COLUMNS = ["t_down", "t_compute", "t_up", "t_server", "t_round", "flops_client",
+                "flops_server"]
+TOTAL_KEYS = {c: f"{c}_total" for c in COST_COLUMNS}
+
+
+class SystemModel:
+    """Per-client links and device speeds of one federation, fixed by (config, N, seed)."""
+
+    def __init__(self, cfg: SystemConfig, links: Links, devices: Devices):
+        self.cfg = cfg
+        self.links = links
+        self.devices = devices
+        self.num_clients = len(devices.flops_per_s)
+
+    @classmethod
+    def build(cls, cfg: SystemConfig, num_clients: int, seed: int) -> SystemModel:
+        if num_clients < 1:
+            raise ConfigError(f"the system model needs at least 1 client, got {num_clients}")
+        return cls(cfg, draw_links(cfg, num_clients, seed), draw_devices(cfg, num_clients, seed))
+
+    # -- per-client figures --------------------------------------------------------------
+    @property
+    def uplink_bps(self) -> np.ndarray:
+        return self.links.uplink_bps
+
+    @property
+    def downlink_bps(self) -> np.ndarray:
+        """Downlink rate with the whole server band (FDMA rounds split it: see below)."""
+        return self.links.downlink_bps
+
+    @property
+    def flops_per_s(self) -> np.ndarray:
+        return self.devices.flops_per_s
+
+    def downlink_rates(self, receivers: list[int]) -> dict[int, float]:
+        """Rates of a round's receivers under ``downlink_sharing`` (fdma: B/K, P/K each)."""
+        return self.links.downlink_rates(receivers, self.cfg.downlink_sharing)
+
+    def client_times(self, selected: list[int], bytes_down: Mapping[int, int],
+                     bytes_up: Mapping[int, int],
+                     flops_client: Mapping[int, int] | None,
+                     ) -> dict[int, tuple[float, float, float]]:
+        """(download, compute, upload) seconds per selected client; compute is NaN when
+        FLOPs were not counted. A client absent from a byte mapping sent nothing."""
+        for cid in selected:
+            if not 0 <= cid < self.num_clients:
+                raise ValueError(f"client {cid} is outside the federation of {self.num_clients}")
+        receivers = [cid for cid in selected if bytes_down.get(cid, 0) > 0]
+        down_rates = self.downlink_rates(receivers)
+        out = {}
+        for cid in selected:
+            d = transfer_time(int(bytes_down.get(cid, 0)), down_rates.get(cid, math.inf))
+            u = transfer_time(int(bytes_up.get(cid, 0)), float(self.uplink_bps[cid]))
+            c = (math.nan if flops_client is None
+                 else int(flops_client.get(cid, 0)) / float(self.flops_per_s[cid]))
+            out[cid] = (d, c, u)
+        return out
+
+    # -- one round -----------------------------------------------------------------------
+    def round_costs(self, selected: list[int], bytes_down: Mapping[int, int],
+                    bytes_up: Mapping[int, int], flops_client: Mapping[int, int] | None,
+                    flops_server: int | None) -> dict[str, float]:
+        """The round's ``COST_COLUMNS``: seconds per phase, the round, and FLOPs.
+
+        ``flops_client``/``flops_server`` None (counting off) make the compute and server
+        times, and hence ``t_round``, NaN: a round time without its compute is not one.
+        """
+        times = self.client_times(selected, bytes_down, bytes_up, flops_client)
+        t_server = math.nan if flops_server is None else flops_server / self.cfg.server_flops
+        if not times:
+            t_down = t_compute = t_up = 0.0
+        elif self.cfg.round_timing == "phase":
+            t_down = max(d for d, _, _ in times.values())
+            t_up = max(u for _, _, u in times.values())
+            compute = [c for _, c, _ in times.values()]
+            t_compute = math.nan if any(math.isnan(c) for c in compute) else max(compute)
+        else:
+            def chain(cid: int) -> float:
+                d, c, u = times[cid]
+                return d + u + (0.0 if math.isnan(c) else c)
+
+            critical = max(sorted(selected), key=chain)  # ties: the lowest id
+            t_down, t_compute, t_up = times[critical]
+        return {
+            "t_down": t_down, "t_compute": t_compute, "t_up": t_up, "t_server": t_server,
+            "t_round": t_down + t_compute + t_up + t_server,
+            "flops_client": (math.nan if flops_client is None
+                             else float(sum(int(flops_client.get(c, 0)) for c in selected))),
+            "flops_server": math.nan if flops_server is None else float(flops_server),
+        }
+
+    # -- run files -----------------------------------------------------------------------
+    def describe(self) -> dict:
+        """JSON-able profile of every client, for the run directory's ``system.json``."""
+        cfg = self.cfg
+        units = {"bandwidth_hz": "Hz", "power_dbm": "dBm", "distance_m": "m",
+                 "gain": "linear power gain", "up_interference": _unit(cfg),
+                 "down_interference": _unit(cfg), "uplink_bps": "bit/s",
+                 "downlink_bps": "bit/s with the whole server band (fdma rounds split it)",
+                 "flops_per_s": "FLOP/s"}
+        clients = []
+        for cid in range(self.num_clients):
+            row: dict = {"client": cid}
+            for name, values in self.links.params.items():
+                row[name] = float(values[cid])
+            row["uplink_bps"] = float(self.uplink_bps[cid])
+            row["downlink_bps"] = float(self.downlink_bps[cid])
+            row["flops_per_s"] = float(self.flops_per_s[cid])
+            if self.devices.tier[cid] is not None:
+                row["tier"] = self.devices.tier[cid]
+            clients.append(row)
+        out = {
+            "profile": cfg.profile, "devices": cfg.devices, "round_timing": cfg.round_timing,
+            "server_flops_per_s": cfg.server_flops,
+            "units": {k: v for k, v in units.items() if k in clients[0]},
+            "clients": clients,
+        }
+        if cfg.profile != "fixed_rate":
+            out.update(downlink_sharing=cfg.downlink_sharing,
+                       server_bandwidth_hz=self.links.server_bandwidth_hz,
+                       server_power_w=self.links.server_power_w,
+                       noise_w_per_hz=self.links.noise_w_per_hz)
+        return out
+
+
+def _unit(cfg: SystemConfig) -> str:
+    if cfg.interference_unit == "noise":
+        return "multiples of the link's thermal noise power B*N0 (clipped at 0)"
+    return f"{cfg.interference_unit} (clipped at 0)"
+
+
+def cost_totals(rows: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Summary totals (``t_down_total``, ..., ``flops_server_total``) of per-round rows.
+
+    A plain sum: one NaN round (nothing counted) makes its total NaN (null in JSON)
+    rather than a total that silently leaves rounds out.
+    """
+    rows = list(rows)
+    return {TOTAL_KEYS[c]: float(sum(float(r.get(c, math.nan)) for r in rows))
+            for c in COST_COLUMNS}

@@ -1,0 +1,36 @@
+"""Memory figures: bytes of tensors a party holds, and the process's peak resident set."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterable, Mapping
+
+import torch
+
+
+def state_bytes(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> int:
+    """Bytes of memory held by ``tensors`` (a mapping or an iterable).
+
+    Counted per distinct storage, not per tensor: a view shares its base's memory, so a
+    state dict holding a stacked tensor and views of its rows costs the stack once.
+    """
+    values = tensors.values() if isinstance(tensors, Mapping) else tensors
+    seen: dict[tuple[str, int], int] = {}
+    for t in values:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_bytes expects tensors, got {type(t).__name__}")
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        seen[key] = max(seen.get(key, 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, bytes (``getrusage``).
+
+    Linux reports kilobytes and macOS bytes. It is the peak of the whole process (data
+    set, interpreter, every simulated client), not of the server alone.
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

@@ -1,0 +1,517 @@
+"""Defining properties of KAPC and KAPC+BLS (edgepfl.algorithms.kapc)."""
+
+import math
+
+import pytest
+import torch
+
+from edgepfl.algorithms import ALGORITHMS, ServerContext, get_algorithm
+from edgepfl.algorithms.kapc import (
+    KAPCBLSHyperparameters,
+    KAPCBLSServer,
+    KAPCHyperparameters,
+    KAPCServer,
+    init_relations,
+    layer_gram,
+    omega_criterion,
+    project_simplex,
+    relation_grad,
+    relation_step,
+    search_omega,
+)
+from edgepfl.config import TrainConfig
+from edgepfl.engine.io import read_tensors
+from edgepfl.engine.messages import Message, MessageError
+from edgepfl.engine.simulation import CHECKPOINT, Simulation
+from edgepfl.models import LayerSpec
+from tests.conftest import fast_config
+
+TRAINING_COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "train_loss"]
+
+
+def _sim(*overrides: str) -> Simulation:
+    return Simulation(fast_config(*overrides), progress=False)
+
+
+def _columns(metrics, columns):
+    return [{k: row[k] for k in columns} for row in metrics]
+
+
+def _record(sim: Simulation) -> tuple[list, list]:
+    """Wrap the server's configure and the client's update to keep every message sent."""
+    down, up = [], []
+    configure, update = sim.server.configure, sim.client.update
+
+    def configure_(rnd, selected):
+        out = configure(rnd, selected)
+        down.append({cid: {k: v.clone() for k, v in m.tensors.items()} for cid, m in out.items()})
+        return out
+
+    def update_(cid, msg, state, data, gen):
+        result = update(cid, msg, state, data, gen)
+        up.append((cid, {k: v.clone() for k, v in result.reply.tensors.items()}, dict(result.reply.meta)))
+        return result
+
+    sim.server.configure = configure_
+    sim.client.update = update_
+    return down, up
+
+
+def _random_simplex(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e = -torch.log1p(-torch.rand(*shape, generator=g, dtype=torch.float64))
+    return e / e.sum(-1, keepdim=True)
+
+
+def _server(num_clients=4, bls=False, **hp):
+    spec = LayerSpec.from_model(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)))
+    model = {"0.weight": torch.zeros(4, 3), "0.bias": torch.zeros(4),
+             "1.weight": torch.zeros(2, 4), "1.bias": torch.zeros(2)}
+    cls, hcls = (KAPCBLSServer, KAPCBLSHyperparameters) if bls else (KAPCServer, KAPCHyperparameters)
+    server = cls(ServerContext(num_clients, spec, model, TrainConfig(), 0), hcls(**hp))
+    g = torch.Generator().manual_seed(1)
+    for p in server.W:  # clients that differ, so that R's gradient is not zero
+        server.W[p] = torch.randn(server.W[p].shape, generator=g)
+    return server
+
+
+# -- the relation cube -------------------------------------------------------------------
+def test_projection_lands_on_the_simplex_and_is_the_nearest_point():
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(50, 7, generator=g, dtype=torch.float64) * 3
+    p = project_simplex(v)
+    assert (p >= 0).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(50, dtype=torch.float64))
+    torch.testing.assert_close(project_simplex(p), p)  # points on the simplex stay put
+    # nearest point: no point of the simplex is closer to v than p
+    others = _random_simplex(50, 200, 7, seed=3)
+    dist_p = (v - p).norm(dim=-1)
+    dist_q = (v.unsqueeze(1) - others).norm(dim=-1)
+    assert (dist_p.unsqueeze(1) <= dist_q + 1e-12).all()
+    # and the projection is a shift then a clamp (the KKT form), one shift per vector
+    theta = (v - p)[p > 0].view(-1)
+    assert theta.numel() > 0
+    for i in range(50):
+        shifts = (v[i] - p[i])[p[i] > 0]
+        torch.testing.assert_close(shifts, shifts[0].expand_as(shifts))
+
+
+@pytest.mark.parametrize("loss", ["squared", "l2"])
+def test_closed_form_relation_gradient_equals_autograd(loss):
+    g = torch.Generator().manual_seed(0)
+    n, sizes = 5, [7, 3, 11]
+    layers = [torch.randn(n, P, generator=g, dtype=torch.float64) for P in sizes]
+    r = _random_simplex(n, len(sizes), n, seed=1).requires_grad_(True)
+    total = 0.0
+    for l_idx, X in enumerate(layers):
+        e = r[:, l_idx, :] @ X - X  # row i: s_i^l - w_i^l
+        per_client = e.pow(2).sum(-1) if loss == "squared" else e.norm(dim=-1)
+        total = total + per_client.sum()
+    total.backward()
+    gram = torch.stack([layer_gram([X], center=False) for X in layers])
+    torch.testing.assert_close(relation_grad(r.detach(), gram, loss), r.grad)
+
+
+@pytest.mark.parametrize("loss", ["squared", "l2"])
+def test_centring_the_gram_changes_the_projected_step_by_nothing(loss):
+    g = torch.Generator().manual_seed(2)
+    n = 6
+    layers = [torch.randn(n, P, generator=g, dtype=torch.float64) + 5.0 for P in (9, 4)]
+    r = _random_simplex(n, 2, n, seed=4)
+    raw = torch.stack([layer_gram([X], center=False) for X in layers])
+    centred = torch.stack([layer_gram([X]) for X in layers])
+    # the gradients differ by a constant along j only ...
+    delta = relation_grad(r, raw, loss) - relation_grad(r, centred, loss)
+    torch.testing.assert_close(delta, delta[..., :1].expand_as(delta))
+    # ... which the projection removes
+    hp = KAPCHyperparameters(r_lr=0.05, r_epochs=3, coaching_loss=loss)
+    torch.testing.assert_close(relation_step(r, raw, hp, n), relation_step(r, centred, hp, n))
+
+
+def test_gram_is_chunked_without_changing_it(monkeypatch):
+    import edgepfl.algorithms.kapc as kapc
+
+    g = torch.Generator().manual_seed(0)
+    stacks = [torch.randn(4, 5, 3, generator=g), torch.randn(4, 2, generator=g)]
+    whole = layer_gram(stacks)
+    monkeypatch.setattr(kapc, "_GRAM_CHUNK", 8)  # 2 columns per chunk
+    torch.testing.assert_close(layer_gram(stacks), whole)
+    x = torch.cat([s.reshape(4, -1) for s in stacks], 1).double()
+    x = x - x.mean(0)
+    torch.testing.assert_close(whole, x @ x.T)
+
+
+@pytest.mark.parametrize("participation", [1.0, 0.5])
+def test_every_relation_vector_stays_normalised(participation):
+    # a large eta_r drives many entries to exactly zero: the projection has work to do
+    sim = _sim("algorithm.name=kapc", f"train.participation={participation}",
+               "algorithm.r_lr=50", "algorithm.r_init=random", "train.rounds=4")
+    sim.run()
+    R = sim.server.R
+    assert (R >= 0).all()
+    torch.testing.assert_close(R.sum(-1), torch.ones(R.shape[:2], dtype=torch.float64))
+    assert (R == 0).any(), "the test is meant to exercise the clamp of the projection"
+    assert not torch.equal(R, init_relations("random", *R.shape[:2], sim.cfg.seed))
+
+
+def test_r_init_choices():
+    for kind in ("uniform", "random", "self"):
+        R = init_relations(kind, 5, 3, seed=0)
+        assert R.shape == (5, 3, 5) and (R >= 0).all()
+        torch.testing.assert_close(R.sum(-1), torch.ones(5, 3, dtype=torch.float64))
+    assert torch.equal(init_relations("self", 5, 3, 0)[2, :, 2], torch.ones(3, dtype=torch.float64))
+    assert torch.equal(init_relations("random", 5, 3, 7), init_relations("random", 5, 3, 7))
+    assert not torch.equal(init_relations("random", 5, 3, 7), init_relations("random", 5, 3, 8))
+
+
+def test_regularizer_is_the_relation_weighted_sum_of_uploads():
+    server = _server(num_clients=4, r_epochs=0)
+    server.R = _random_simplex(4, 2, 4, seed=5)
+    msgs = server.configure(1, [0, 1, 2, 3])
+    for i in range(4):
+        for l_idx, params in enumerate(server.layer_params):
+            for p in params:
+                expected = sum(server.R[i, l_idx, j].float() * server.W[p][j] for j in range(4))
+                torch.testing.assert_close(msgs[i].tensors[p], expected)
+
+
+def test_one_hot_self_relations_coach_each_client_towards_its_own_model():
+    sim = _sim("algorithm.name=kapc", "algorithm.r_init=self", "algorithm.r_epochs=0",
+               "train.participation=0.5")
+    down, _ = _record(sim)
+    sim.step()
+    after_one = {cid: sim.client.personal_model(sim.clients.row(cid), None)
+                 for cid in range(sim.num_clients)}
+    after_one = {cid: {p: v.clone() for p, v in m.items()} for cid, m in after_one.items()}
+    sim.step()
+    init = sim.server.ctx.init_model
+    for tensors in down[0].values():  # round 1: every model is still the initial one
+        assert tensors.keys() == set(sim.layers.param_names)
+        assert all(torch.equal(v, init[p]) for p, v in tensors.items())
+    for cid, tensors in down[1].items():  # round 2: the client's own current model
+        assert all(torch.equal(v, after_one[cid][p]) for p, v in tensors.items()), cid
+    untouched = [c for c in down[1] if c not in down[0]]  # not selected in round 1
+    for cid in untouched:
+        assert all(torch.equal(v, init[p]) for p, v in down[1][cid].items())
+
+
+def test_partial_participation_updates_only_the_participants_slice():
+    server = _server(num_clients=6, r_lr=0.5, r_epochs=2, r_init="random")
+    before = server.R.clone()
+    selected = [0, 2, 3]
+    server.configure(1, selected)
+    inside = torch.zeros(6, 1, 6, dtype=torch.bool)
+    inside[torch.tensor(selected).view(-1, 1, 1), 0, torch.tensor(selected).view(1, 1, -1)] = True
+    inside = inside.expand_as(before)
+    assert torch.equal(server.R[~inside], before[~inside])  # outside the slice: untouched
+    assert not torch.equal(server.R[inside], before[inside])
+    # the slice is written back with its mass, so full rows stay on the simplex
+    idx = torch.tensor(selected)
+    torch.testing.assert_close(server.R[idx][:, :, idx].sum(-1), before[idx][:, :, idx].sum(-1))
+    torch.testing.assert_close(server.R.sum(-1), torch.ones(6, 2, dtype=torch.float64))
+
+
+def test_hundred_clients_at_ten_percent_touch_a_ten_by_ten_slice():
+    sim = _sim("algorithm.name=kapc", "partition.clients=100", "partition.min_size=2",
+               "train.participation=0.1", "algorithm.r_lr=0.5", "train.rounds=1")
+    before = sim.server.R.clone()
+    row = sim.step()
+    assert row["clients"] == 10
+    changed = (sim.server.R != before).any(1)  # [i, j]
+    rows, cols = changed.nonzero(as_tuple=True)
+    assert set(rows.tolist()) <= set(cols.tolist()) and len(set(rows.tolist())) <= 10
+    assert changed.sum() > 0
+    torch.testing.assert_close(sim.server.R.sum(-1), torch.ones(100, 4, dtype=torch.float64))
+
+
+# -- client side ---------------------------------------------------------------------------
+def test_lambda_zero_trains_exactly_as_local():
+    local = _sim("algorithm.name=local")
+    kapc = _sim("algorithm.name=kapc", "algorithm.lam=0", "algorithm.r_init=random")
+    a, b = local.run(), kapc.run()
+    assert _columns(b.metrics, TRAINING_COLUMNS) == _columns(a.metrics, TRAINING_COLUMNS)
+    for name in local.clients.tensors:
+        assert torch.equal(local.clients.stack(name), kapc.clients.stack(name)), name
+
+
+def test_positive_lambda_coaches_the_clients():
+    local = _sim("algorithm.name=local").run()
+    kapc = _sim("algorithm.name=kapc", "algorithm.lam=1").run()
+    assert _columns(kapc.metrics, TRAINING_COLUMNS) != _columns(local.metrics, TRAINING_COLUMNS)
+
+
+def test_client_keeps_its_trained_model_and_uploads_all_of_it():
+    sim = _sim("algorithm.name=kapc")
+    _, up = _record(sim)
+    sim.step()
+    assert len(up) == sim.num_clients
+    for cid, tensors, meta in up:
+        assert set(tensors) == set(sim.layers.param_names) and meta == {}
+        own = sim.clients.row(cid)
+        for p, v in tensors.items():
+            assert torch.equal(own[f"model.{p}"], v)
+            assert torch.equal(sim.server.W[p][cid], v)  # the server holds the latest upload
+
+
+@pytest.mark.parametrize("loss", ["squared", "l2"])
+def test_coaching_gradient_is_that_of_lambda_f_s(loss):
+    from edgepfl.algorithms.kapc import coaching_hook
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, 2, generator=g), torch.randn(3, generator=g), torch.randn(4, generator=g)]
+    targets = [torch.randn_like(p) for p in params]
+    groups = [[0, 1], [2]]  # two layers: weight+bias, and one more
+    leaves = [p.clone().requires_grad_(True) for p in params]
+    total = 0.0
+    for group in groups:
+        sq = sum((leaves[k] - targets[k]).pow(2).sum() for k in group)
+        total = total + (sq if loss == "squared" else sq.sqrt())
+    (0.7 * total).backward()
+    grads = [torch.zeros_like(p) for p in params]
+    coaching_hook(0.7, targets, loss, groups)(params, grads)
+    for got, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got, leaf.grad)
+
+
+def test_a_layer_not_sent_is_coached_towards_the_clients_previous_weights():
+    sim = _sim("algorithm.name=kapc_bls", "algorithm.lam=5", "algorithm.mu=1.1")
+    sim.step()  # clients now differ from each other, so s_i is not the client's own model
+    cid = 1
+    state = sim.clients.row(cid)
+    own = {p: state[f"model.{p}"].clone() for p in sim.layers.param_names}
+    full = sim.server.configure(2, list(range(sim.num_clients)))[cid]
+    assert set(full.tensors) == set(sim.layers.param_names)
+    first = sim.layers.params_of(0)
+    partial = Message({p: v for p, v in full.tensors.items() if p not in first})
+    explicit = Message({**partial.tensors, **{p: own[p] for p in first}})
+    from edgepfl.engine.rng import generator
+
+    a = sim.client.update(cid, partial, state, sim.train_data[cid], generator(0, "t"))
+    b = sim.client.update(cid, explicit, state, sim.train_data[cid], generator(0, "t"))
+    c = sim.client.update(cid, full, state, sim.train_data[cid], generator(0, "t"))
+    for k in a.state:
+        assert torch.equal(a.state[k], b.state[k]), k
+    assert any(not torch.equal(a.state[k], c.state[k]) for k in a.state)
+
+
+def test_kapc_client_rejects_a_partial_regularizer():
+    sim = _sim("algorithm.name=kapc")
+    full = sim.server.configure(1, [0])[0]
+    partial = Message({p: v for p, v in full.tensors.items() if p not in sim.layers.params_of(0)})
+    from edgepfl.engine.rng import generator
+
+    with pytest.raises(MessageError, match="lacks layer"):
+        sim.client.update(0, partial, sim.clients.row(0), sim.train_data[0], generator(0, "t"))
+
+
+# -- BLS ---------------------------------------------------------------------------------
+def test_bls_with_mu_above_one_and_full_upload_sends_kapc_messages():
+    common = ["train.participation=0.5", "algorithm.r_init=random", "algorithm.r_lr=1"]
+    kapc = _sim("algorithm.name=kapc", *common)
+    bls = _sim("algorithm.name=kapc_bls", "algorithm.mu=1.01", "algorithm.select_layers=false",
+               *common)
+    (down_k, up_k), (down_b, up_b) = _record(kapc), _record(bls)
+    mk, mb = kapc.run().metrics, bls.run().metrics
+    assert len(down_k) == len(down_b) == 3
+    for a, b in zip(down_k, down_b, strict=True):
+        assert a.keys() == b.keys()
+        for cid in a:
+            assert a[cid].keys() == b[cid].keys()
+            assert all(torch.equal(a[cid][k], b[cid][k]) for k in a[cid])
+    assert [(c, m) for c, _, m in up_k] == [(c, m) for c, _, m in up_b]
+    for (_, ta, _), (_, tb, _) in zip(up_k, up_b, strict=True):
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    keep = TRAINING_COLUMNS + ["bytes_up", "bytes_down", "layers_up_mean", "layers_down_mean"]
+    assert _columns(mb, keep) == _columns(mk, keep)
+    assert torch.equal(kapc.server.R, bls.server.R)
+
+
+def test_bls_server_skips_exactly_the_layers_whose_self_relation_reaches_mu():
+    server = _server(num_clients=3, bls=True, mu=0.5, r_epochs=0)
+    R = torch.full((3, 2, 3), 0.25, dtype=torch.float64)
+    R[:, :, :] = torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64)  # r_i2 = 0.5 everywhere
+    R[0, 0] = torch.tensor([0.6, 0.2, 0.2], dtype=torch.float64)  # client 0, layer 0: 0.6 >= mu
+    R[1, 1] = torch.tensor([0.1, 0.5, 0.4], dtype=torch.float64)  # client 1, layer 1: = mu
+    server.R = R
+    msgs = server.configure(1, [0, 1, 2])
+    layer0, layer1 = server.layer_params
+    assert set(msgs[0].tensors) == set(layer1)
+    assert set(msgs[1].tensors) == set(layer0)
+    assert msgs[2].tensors == {}  # r_22 = 0.5 >= mu on both layers: nothing to send
+    assert msgs[2].nbytes == 0
+    assert server.round_metrics()["layers_down_mean"] == pytest.approx(2 / 3)
+
+
+def test_omega_search_finds_the_largest_prefix_meeting_the_criterion():
+    for L in (1, 2, 5, 9):
+        for threshold in range(0, L + 1):  # criterion holds for Omega <= threshold
+            for prev in range(0, L + 2):
+                omega, _ = search_omega(prev, L, lambda o, t=threshold: o <= t)
+                assert omega == max(1, threshold)
+
+
+def test_omega_is_always_in_one_to_L_for_any_criterion():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        L = int(torch.randint(1, 8, (1,), generator=g))
+        table = (torch.rand(L + 2, generator=g) > 0.5).tolist()
+        prev = int(torch.randint(0, L + 2, (1,), generator=g))
+        omega, evals = search_omega(prev, L, lambda o, t=table: t[o])
+        assert 1 <= omega <= L and evals >= 1, trial
+
+
+def test_omega_criterion_matches_inequality_29_by_hand():
+    # L = 2, d = (4, 2), n = (3, 4), c = 2; all B = tau = 1 -> M = 1/2 * sqrt(4) + 1/2 = 1.5
+    kw = dict(B=[1.0, 1.0], tau=[1.0, 1.0], d_out=[4, 2], n_cols=[3, 4], num_classes=2)
+    # Omega = 1: 2 * 4 * (1/2) / (1 * 2 * 2^1) = 1.0 <= 1.5
+    assert omega_criterion(1, B_hat=[1.0, 1.0], tau_hat=[1.0, 1.0], **kw)
+    # Omega = 2: 2 * 2 * 1.5 / (2 * 2 * 1) = 1.5 <= 1.5 (equality holds)
+    assert omega_criterion(2, B_hat=[1.0, 1.0], tau_hat=[1.0, 1.0], **kw)
+    # tau^_2 = 2: M^(2) = 1 + 1 = 2 -> 2.0 > 1.5
+    assert not omega_criterion(2, B_hat=[1.0, 1.0], tau_hat=[1.0, 2.0], **kw)
+    # B^ = (2, 1): prod B^/B = 2 and M^(1) = 1/4 -> 2 * 4 * 0.25 / 4 * 2 = 1.0 <= 1.5
+    assert omega_criterion(1, B_hat=[2.0, 1.0], tau_hat=[1.0, 1.0], **kw)
+    # B^ = (2, 1) at Omega = 2: M^ = 1/4 * 2 + 1/2 = 1, 2 * 2 * 1 / 4 * 2 = 2.0 > 1.5
+    assert not omega_criterion(2, B_hat=[2.0, 1.0], tau_hat=[1.0, 1.0], **kw)
+
+
+def test_bls_uploads_are_layer_prefixes_and_the_server_keeps_stale_layers():
+    sim = _sim("algorithm.name=kapc_bls", "train.participation=0.5", "train.rounds=5")
+    _, up = _record(sim)
+    stale = {p: v.clone() for p, v in sim.server.W.items()}
+    sim.run()
+    L = len(sim.layers)
+    seen_q = {}
+    for cid, tensors, meta in up:
+        count = next(k for k in range(1, L + 1) if set(tensors) == set(sim.layers.prefix(k)))
+        assert 1 <= count <= L and meta == {}
+        if cid not in seen_q:
+            assert count == max(1, L - 1)  # first selection: Algorithm 4, line 8
+        seen_q[cid] = seen_q.get(cid, 0) + 1
+        for p in sim.layers.prefix(count):
+            stale[p][cid] = tensors[p]
+    for p in stale:  # server rows = the last upload of each layer, else the initial model
+        assert torch.equal(sim.server.W[p], stale[p]), p
+    for cid, q in seen_q.items():
+        assert int(sim.clients.row(cid)["bls.q"]) == q
+    means = [row["layers_up_mean"] for row in sim.metrics]
+    assert all(1 <= m <= L for m in means)
+
+
+def test_first_selection_records_the_layer_norms():
+    sim = _sim("algorithm.name=kapc_bls", "train.rounds=1")
+    down, _ = _record(sim)
+    sim.step()
+    for cid in range(sim.num_clients):
+        state = sim.clients.row(cid)
+        model = sim.client.personal_model(state, None)
+        for l_idx, layer in enumerate(sim.layers.layers):
+            norm = math.sqrt(sum(float(model[p].double().pow(2).sum()) for p in layer.params))
+            tau = math.sqrt(sum(float((model[p] - down[0][cid][p]).double().pow(2).sum())
+                                for p in layer.params))
+            assert float(state["bls.B"][l_idx]) == pytest.approx(norm)  # Eq. 30
+            assert float(state["bls.tau"][l_idx]) == pytest.approx(tau)  # Eq. 31
+        assert int(state["bls.omega"]) == len(sim.layers) - 1
+
+
+def test_bytes_drop_when_mu_drops():
+    rows = {}
+    for mu in (1.1, 0.35, 0.2, 0.0):
+        sim = _sim("algorithm.name=kapc_bls", f"algorithm.mu={mu}", "algorithm.r_init=random",
+                   "train.rounds=2")
+        rows[mu] = sim.run().metrics
+    first = [rows[mu][0]["bytes_down"] for mu in (1.1, 0.35, 0.2, 0.0)]
+    assert first == sorted(first, reverse=True) and first[0] > first[1] > first[-1] == 0
+    totals = [sum(r["bytes_down"] for r in rows[mu]) for mu in (1.1, 0.0)]
+    assert totals[0] > totals[1] == 0
+    model_bytes = sum(layer.numel for layer in sim.layers.layers) * 4
+    assert rows[1.1][0]["bytes_down"] == sim.num_clients * model_bytes
+
+
+def test_bls_uploads_fewer_bytes_than_kapc():
+    kapc = _sim("algorithm.name=kapc").run().summary
+    bls = _sim("algorithm.name=kapc_bls", "algorithm.mu=1.1").run().summary
+    assert bls["bytes_up_total"] < kapc["bytes_up_total"]
+    assert bls["bytes_down_total"] == kapc["bytes_down_total"]
+
+
+def test_server_rejects_uploads_that_are_not_layer_prefixes():
+    for bls in (False, True):
+        server = _server(num_clients=2, bls=bls)
+        second_only = {p: torch.zeros_like(server.W[p][0]) for p in server.layer_params[1]}
+        with pytest.raises(MessageError, match="must upload"):
+            server.aggregate(1, {0: Message(second_only)})
+    first_only = {p: torch.zeros_like(server.W[p][0]) for p in server.layer_params[0]}
+    _server(num_clients=2, bls=True).aggregate(1, {0: Message(first_only)})
+    with pytest.raises(MessageError, match="every layer"):
+        _server(num_clients=2).aggregate(1, {0: Message(first_only)})
+
+
+# -- engine integration: state, metrics, artifacts, config ------------------------------------
+@pytest.mark.parametrize("name", ["kapc", "kapc_bls"])
+def test_resumed_run_gives_identical_metrics(tmp_path, name):
+    overrides = [f"algorithm.name={name}", "train.participation=0.5", "algorithm.r_init=random",
+                 "algorithm.r_lr=0.5"]
+    straight = _sim(*overrides)
+    straight.run()
+    first = Simulation(fast_config(*overrides), tmp_path, progress=False)
+    first.step()
+    first.step()
+    first.save_checkpoint()
+    resumed = Simulation(fast_config(*overrides), tmp_path, progress=False)
+    resumed.load_checkpoint(tmp_path / CHECKPOINT)
+    resumed.step()
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]  # noqa: E731
+    assert drop(resumed.metrics) == drop(straight.metrics)
+    assert torch.equal(resumed.server.R, straight.server.R)
+
+
+def test_round_metrics_and_artifacts(tmp_path):
+    sim = Simulation(fast_config("algorithm.name=kapc_bls"), tmp_path, progress=False)
+    result = sim.run()
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "layers_up_mean" in header and "layers_down_mean" in header
+    assert all(1 <= r["layers_up_mean"] <= len(sim.layers) for r in result.metrics)
+    tensors, meta = read_tensors(tmp_path / "relation_cube.safetensors")
+    assert torch.equal(tensors["R"], sim.server.R) and meta["layers"] == sim.layers.names
+    assert not list(tmp_path.glob("relation_client*.png"))  # output.plots = false
+    sim.server.write_artifacts(tmp_path, True)
+    png = tmp_path / f"relation_client{sim.num_clients - 1}.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_registered_with_the_papers_defaults_and_typed_choices():
+    assert {"kapc", "kapc_bls"} <= set(ALGORITHMS)
+    hp = get_algorithm("kapc_bls").hyperparameters()
+    assert (hp.lam, hp.beta, hp.r_lr, hp.r_epochs, hp.mu) == (1.0, 0.01, 0.01, 1, 0.7)
+    assert (hp.r_init, hp.coaching_loss, hp.r_grad_scale, hp.select_layers) == (
+        "uniform", "squared", "sum", True)
+    assert all(desc for _, _, desc in get_algorithm("kapc").describe())
+    assert "mu" not in get_algorithm("kapc").hyperparameters.model_fields
+    from edgepfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="r_init"):
+        _sim("algorithm.name=kapc", "algorithm.r_init=zeros")
+
+
+@pytest.mark.parametrize("overrides", [
+    ("algorithm.coaching_loss=l2",), ("algorithm.r_grad_scale=spread",),
+])
+def test_alternative_choices_run_and_keep_relations_normalised(overrides):
+    sim = _sim("algorithm.name=kapc_bls", "train.participation=0.5", *overrides)
+    result = sim.run()
+    assert not math.isnan(result.summary["acc_mean_final"])
+    torch.testing.assert_close(sim.server.R.sum(-1), torch.ones(sim.server.R.shape[:2],
+                                                                  dtype=torch.float64))
+
+
+def test_spread_scale_moves_relations_by_eta_r_sized_steps():
+    # in spread units the self-relation gradient is O(1): one step of eta_r = 0.01 moves
+    # r_ii by about 0.01, whatever the raw size of the parameters
+    for scale in (1.0, 1000.0):
+        server = _server(num_clients=4, r_grad_scale="spread", r_lr=0.01)
+        for p in server.W:
+            server.W[p] *= scale
+        server.configure(1, [0, 1, 2, 3])
+        moved = (torch.diagonal(server.R, dim1=0, dim2=2) - 0.25).abs().max()
+        assert 1e-3 < float(moved) < 0.05, scale
