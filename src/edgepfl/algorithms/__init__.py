@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from edgepfl.algorithms import fedavg, fedprox, kapc, local
+import importlib
+
 from edgepfl.algorithms.base import (
     Algorithm,
     Client,
@@ -14,8 +15,19 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.errors import ConfigError
 
-ALGORITHMS: dict[str, Algorithm] = {m.ALGORITHM.name: m.ALGORITHM for m in (local, fedavg, fedprox, kapc)}
-ALGORITHMS.update({a.name: a for a in kapc.ALGORITHMS})
+# One line per module; a module exports ALGORITHM, or ALGORITHMS for a family.
+_MODULES = [
+    "local",
+    "fedavg",
+    "fedprox",
+    "kapc",
+]
+
+ALGORITHMS: dict[str, Algorithm] = {}
+for _name in _MODULES:
+    _module = importlib.import_module(f"edgepfl.algorithms.{_name}")
+    for _algo in getattr(_module, "ALGORITHMS", None) or (_module.ALGORITHM,):
+        ALGORITHMS[_algo.name] = _algo
 
 
 def get_algorithm(name: str) -> Algorithm:
