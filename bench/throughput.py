@@ -72,16 +72,19 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dataset", default="fmnist")
+    ap.add_argument("--no-flops", action="store_true", help="turn FLOP counting off in the engine")
     args = ap.parse_args()
     cfg = build_config({}, [f"dataset.name={args.dataset}", f"dataset.fraction={args.fraction}",
                             "model.name=cnn2", "partition.clients=10", "partition.alpha=0.3",
                             "train.batch_size=32", "train.local_epochs=1", "train.lr=0.01",
                             "algorithm.name=fedavg", f"train.rounds={args.rounds * args.repeats + 1}",
-                            "eval.every=100000", "output.plots=false"])
+                            "eval.every=100000", "output.plots=false",
+                            f"system.count_flops={str(not args.no_flops).lower()}"])
     sim = Simulation(cfg, progress=False)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.dataset} "
           f"fraction {args.fraction}: {sum(d.n for d in sim.train_data)} train samples over "
-          f"{sim.num_clients} clients; {args.rounds} rounds per measurement, {args.repeats} repeats")
+          f"{sim.num_clients} clients; {args.rounds} rounds per measurement, {args.repeats} repeats; "
+          f"FLOP counting {'off' if args.no_flops else 'on (counted once per client, then cached)'}")
     bare_rounds(sim, 1, 1)  # warm-up: allocator, kernels
     eng, bare = [], []
     for _ in range(args.repeats):
