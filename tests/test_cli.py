@@ -96,3 +96,21 @@ def test_compare_rejects_unknown_algorithm_before_running(tmp_path):
     res = invoke("compare", "--algorithms", "fedavg,nope", *FAST, "--out", str(tmp_path / "c"))
     assert res.exit_code == 2 and "nope" in res.output
     assert not (tmp_path / "c").exists()
+
+
+def test_report_tabulates_costs_of_runs(tmp_path):
+    for name in ["local", "fedavg"]:
+        assert invoke("run", *FAST, "--set", f"algorithm.name={name}",
+                      "--out", str(tmp_path / name)).exit_code == 0
+    res = invoke("report", str(tmp_path / "local"), str(tmp_path / "fedavg"),
+                 "--out", str(tmp_path / "rep"))
+    assert res.exit_code == 0, res.output
+    assert "| local | local |" in res.output and "| fedavg | fedavg |" in res.output
+    assert "U-comm" in res.output and "GFLOPs" in res.output
+    for name in ["report.md", "accuracy_vs_bytes.png", "accuracy_vs_time.png"]:
+        assert (tmp_path / "rep" / name).is_file()
+
+
+def test_report_of_a_missing_run_exits_2(tmp_path):
+    res = invoke("report", str(tmp_path / "nowhere"))
+    assert res.exit_code == 2 and "nowhere" in res.output

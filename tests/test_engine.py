@@ -135,3 +135,31 @@ def test_partial_participation_selects_the_same_clients_for_every_algorithm():
     from edgepfl.engine.rng import select_clients
     expected = [select_clients(0, r, 6, 0.34) for r in (1, 2, 3)]
     assert seqs[1] == expected
+
+
+def test_system_costs_are_reported_per_round_and_in_total(tmp_path):
+    from edgepfl.system import COST_COLUMNS
+
+    cfg = fast_config("algorithm.name=fedavg", "system.profile=fixed_rate", "system.rate_mbps=2")
+    result = start_run(cfg, tmp_path / "run", progress=False)
+    assert (tmp_path / "run" / "system.json").is_file()
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert all(c in rows[0] for c in COST_COLUMNS)
+    # at 2 Mbit/s per client, the slowest upload of the round is the largest reply's bits / 2e6
+    sim = Simulation(cfg, progress=False)
+    sim.step()
+    largest_reply = max(int(b) for b in sim.bytes_up)
+    assert sim.metrics[0]["t_up"] == pytest.approx(8 * largest_reply / 2e6)
+    assert sim.metrics[0]["flops_client"] > 0
+    s = result.summary
+    assert s["t_round_total"] == pytest.approx(sum(float(r["t_round"]) for r in rows), rel=1e-4)
+    assert s["server_state_bytes"] > 0 and s["peak_rss_bytes"] > 0
+
+
+def test_counting_flops_does_not_change_results():
+    on = Simulation(fast_config("system.count_flops=true"), progress=False).run()
+    off = Simulation(fast_config("system.count_flops=false"), progress=False).run()
+    keep = ["acc_mean", "acc_std", "loss", "train_loss", "bytes_up", "bytes_down"]
+    assert [[r[k] for k in keep] for r in on.metrics] == [[r[k] for k in keep] for r in off.metrics]
+    assert all(math.isnan(r["t_compute"]) for r in off.metrics)
