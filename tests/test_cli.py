@@ -114,3 +114,19 @@ def test_report_tabulates_costs_of_runs(tmp_path):
 def test_report_of_a_missing_run_exits_2(tmp_path):
     res = invoke("report", str(tmp_path / "nowhere"))
     assert res.exit_code == 2 and "nowhere" in res.output
+
+
+def test_compare_routes_hyperparameters_to_the_algorithms_that_have_them(tmp_path):
+    res = invoke("compare", "--algorithms", "fedavg,fedprox", *FAST, "--set", "algorithm.mu=0.3",
+                 "--out", str(tmp_path / "c"))
+    assert res.exit_code == 0, res.output
+    prox = json.loads((tmp_path / "c" / "fedprox-seed0" / "config.json").read_text())
+    assert prox["algorithm"] == {"name": "fedprox", "mu": 0.3}
+    res = invoke("compare", "--algorithms", "fedavg,fedprox", *FAST,
+                 "--set", "algorithm.fedprox.mu=0.2", "--out", str(tmp_path / "d"))
+    assert res.exit_code == 0, res.output
+    prox = json.loads((tmp_path / "d" / "fedprox-seed0" / "config.json").read_text())
+    assert prox["algorithm"]["mu"] == 0.2
+    res = invoke("compare", "--algorithms", "fedavg,local", *FAST, "--set", "algorithm.mu=0.3",
+                 "--out", str(tmp_path / "e"))
+    assert res.exit_code == 2 and "algorithm.mu" in res.output

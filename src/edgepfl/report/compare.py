@@ -30,6 +30,32 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std())
 
 
+def split_hyperparameters(base: Config, algorithms: list[str]) -> dict[str, dict]:
+    """Hyperparameters per algorithm from ``algorithm.*`` settings.
+
+    ``algorithm.<name>.<key>`` applies to that algorithm only; a plain ``algorithm.<key>``
+    applies to every compared algorithm that has such a hyperparameter. A setting that no
+    compared algorithm accepts is an error rather than silently dropped.
+    """
+    from edgepfl.algorithms import get_algorithm
+    from edgepfl.errors import ConfigError
+
+    given = base.algorithm.hyperparameters()
+    per_algo = {name: dict(given.pop(name)) for name in algorithms
+                if isinstance(given.get(name), dict)}
+    out = {}
+    for name in algorithms:
+        fields = get_algorithm(name).hyperparameters.model_fields
+        out[name] = {k: v for k, v in given.items() if k in fields}
+        out[name].update(per_algo.get(name, {}))
+    unused = [k for k in given if not any(k in get_algorithm(a).hyperparameters.model_fields
+                                          for a in algorithms)]
+    if unused:
+        raise ConfigError(f"algorithm.{unused[0]} is a hyperparameter of none of "
+                          f"{', '.join(algorithms)}; use algorithm.<name>.<key> for one of them")
+    return out
+
+
 def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
             progress: bool | None = None, echo=print) -> list[dict]:
     if not algorithms:
@@ -37,10 +63,9 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
     if (out / "comparison.csv").exists():
         raise EdgepflError(f"{out} already holds a comparison; choose another --out")
     configs = {}
-    for name in algorithms:
+    for name, hp in split_hyperparameters(base, algorithms).items():
         data = base.model_dump()
-        data["algorithm"] = {"name": name, **({} if name != base.algorithm.name
-                                               else base.algorithm.hyperparameters())}
+        data["algorithm"] = {"name": name, **hp}
         configs[name] = resolve(build_config(data))
     rows, curves = [], {}
     for seed in seeds:
