@@ -125,7 +125,7 @@ def test_local_client_trains_only_on_its_own_data():
 
 
 def test_hyperparameters_are_typed_and_unknown_ones_rejected():
-    with pytest.raises(ConfigError, match="algorithm.bogus.*valid: mu"):
+    with pytest.raises(ConfigError, match="algorithm.bogus.*valid: .*mu"):
         Simulation(fast_config("algorithm.name=fedprox", "algorithm.bogus=1"), progress=False)
     with pytest.raises(ConfigError, match="algorithm.mu = -1"):
         Simulation(fast_config("algorithm.name=fedprox", "algorithm.mu=-1"), progress=False)
@@ -137,3 +137,27 @@ def test_every_algorithm_learns_above_chance_on_synthetic_data():
                                          "train.local_epochs=2"))
         assert result.summary["acc_mean_best"] > 0.3, name
         assert not math.isnan(result.summary["acc_mean_final"])
+
+
+def test_fedavg_local_evaluation_predicts_with_each_clients_trained_model():
+    sim = Simulation(fast_config("algorithm.name=fedavg", "algorithm.evaluate=local",
+                                 "train.participation=0.5"), progress=False)
+    init = sim.trainer.export()
+    replies = {}
+    real = sim.server.aggregate
+
+    def spy(rnd, msgs):
+        replies.update(msgs)
+        real(rnd, msgs)
+
+    sim.server.aggregate = spy
+    sim.step()
+    for cid in range(sim.num_clients):
+        model = sim.client.personal_model(sim.clients.row(cid), sim.server.eval_message(cid))
+        expected = replies[cid].tensors if cid in replies else init
+        for k in init:
+            assert torch.equal(model[k], expected[k]), (cid, k)
+    glob = _metrics(fast_config("algorithm.name=fedavg"))[0]
+    loc = _metrics(fast_config("algorithm.name=fedavg", "algorithm.evaluate=local"))[0]
+    assert [r["bytes_up"] for r in loc] == [r["bytes_up"] for r in glob]  # same protocol
+    assert [r["acc_mean"] for r in loc] != [r["acc_mean"] for r in glob]

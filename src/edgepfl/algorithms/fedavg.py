@@ -5,7 +5,10 @@ Every client predicts with the global model, so this is the non-personalized ref
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 
 from edgepfl.algorithms.base import (
     Algorithm,
@@ -22,7 +25,10 @@ from edgepfl.engine.messages import Message, MessageError
 
 
 class FedAvgHyperparameters(Hyperparameters):
-    pass
+    evaluate: Literal["global", "local"] = Field(
+        "global", description="predict with the global model (FedAvg as published) or with the "
+        "client's own model after its latest local training (how several pFL papers report "
+        "FedAvg/FedProx)")
 
 
 class FedAvgServer(Server):
@@ -63,6 +69,11 @@ class FedAvgServer(Server):
 
 
 class FedAvgClient(Client):
+    def init_state(self, cid: int, init_model: State) -> State:
+        if self.hp.evaluate == "local":
+            return {f"model.{k}": v for k, v in init_model.items()}
+        return {}
+
     def grad_hook(self, msg: Message):
         """Extra gradient term for subclasses (FedProx); FedAvg has none."""
         return None
@@ -71,10 +82,15 @@ class FedAvgClient(Client):
                gen: torch.Generator) -> UpdateResult:
         self.trainer.load(msg.tensors)
         stats = fit(self, data, gen, grad_hook=self.grad_hook(msg))
-        reply = Message(self.trainer.export(), {"num_samples": data.n})
-        return UpdateResult(reply, state, stats)
+        trained = self.trainer.export()
+        if self.hp.evaluate == "local":
+            state = {f"model.{k}": v for k, v in trained.items()}
+        return UpdateResult(Message(trained, {"num_samples": data.n}), state, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        if self.hp.evaluate == "local":
+            # a client never selected yet still holds the initial model
+            return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
         if eval_msg is None:
             raise MessageError("FedAvg clients predict with the global model, but none was given")
         return eval_msg.tensors

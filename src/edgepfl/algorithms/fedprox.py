@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import Algorithm, Hyperparameters
-from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgServer
+from edgepfl.algorithms.base import Algorithm
+from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
 from edgepfl.engine.messages import Message
 
 
-class FedProxHyperparameters(Hyperparameters):
+class FedProxHyperparameters(FedAvgHyperparameters):
     mu: float = Field(0.01, ge=0, description="proximal coefficient (FedProx paper tunes over 0.001-1)")
 
 
