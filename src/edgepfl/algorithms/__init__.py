@@ -21,6 +21,14 @@ _MODULES = [
     "fedavg",
     "fedprox",
     "kapc",
+    "dcpfl",
+    "perfedavg",
+    "fedbn",
+    "fedbabu",
+    "moon",
+    "fedamp",
+    "fedproto",
+    "pfedla",
 ]
 
 ALGORITHMS: dict[str, Algorithm] = {}

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from edgepfl.errors import ConfigError
+from edgepfl.models.bn import CNN2BN, CNNSmallBN
 
 
 class CNN2(nn.Module):
@@ -102,6 +103,8 @@ MODELS: dict[str, tuple[ModelFactory, str]] = {
     "cnn_cifar": (CNNCifar, "FedAvg's CIFAR CNN: 2 conv 5x5 (64, 64), FC 384, 192, classifier"),
     "cnn_small": (CNNSmall, "small CNN for 8x8 images (digits, synthetic): 2 conv 3x3, FC 64"),
     "mlp": (MLP, "2 hidden layers of 200 units, any image size"),
+    "cnn_small_bn": (CNNSmallBN, "cnn_small with BatchNorm after each conv (FedBN)"),
+    "cnn2_bn": (CNN2BN, "cnn2 with BatchNorm after each conv (FedBN)"),
 }
 
 DEFAULT_MODEL = {"mnist": "cnn2", "fmnist": "cnn2", "cifar10": "cnn_cifar",

@@ -1,0 +1,568 @@
+"""DC-PFL (dynamic clustering for personalized FL): from one global model to one model per
+client, splitting groups along a hierarchical group graph at the end of each rapid
+decrease period of the training loss, with layer-wise aggregation intervals.
+
+Phases of a run (all driven by the server; the client only follows the message's mode):
+
+* warm-up, rounds 1..T_start: FedAvg with full uploads; every round the server adds the
+  pairwise model discrepancy (Eq. 3) of the uploads to a running sum.
+* then the averaged discrepancy matrix defines an average-linkage dendrogram (the group
+  graph); gamma~ = 1 is one group. Each group aggregates its layers every tau rounds, or
+  every alpha*tau rounds when the layer's discrepancy (Eq. 5) is below 0.1 of the group's
+  mean (Eq. 6). A client uploads and downloads only the layers aggregated that round.
+* the server smooths the mean pre-training loss, estimates the radius of curvature
+  (Eq. 4) and, once it has not decreased for t_obv rounds, proposes the grouping one step
+  lambda_gamma lower. One sync round (full upload) gives fresh weights for both the old
+  and the new group models; in the trial round each client trains from both and reports
+  both losses; the new grouping is kept only if its mean loss is lower, else the old one
+  is kept for t_sp rounds before the same proposal is tried again.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Client,
+    Hyperparameters,
+    Server,
+    ServerContext,
+    State,
+    UpdateResult,
+)
+from edgepfl.algorithms.local import fit
+from edgepfl.algorithms.training import ClientData, weighted_average
+from edgepfl.engine.messages import Message, MessageError
+from edgepfl.engine.store import StackedStore
+
+WARMUP, NORMAL, SYNC, TRIAL = 0, 1, 2, 3
+MODE_NAMES = {WARMUP: "warmup", NORMAL: "normal", SYNC: "sync", TRIAL: "trial"}
+
+
+class DCPFLHyperparameters(Hyperparameters):
+    t_start: int = Field(5, ge=1, description="warm-up rounds whose model discrepancy is averaged "
+                                               "(paper Sec. V: 'after 5 training rounds')")
+    s: int = Field(5, ge=1, description="loss smoothing window in rounds (paper Sec. III-C: 5)")
+    t_obv: int = Field(3, ge=1, description="rounds the radius must not decrease to end an RDP "
+                                             "(paper Sec. V: 3)")
+    t_sp: int = Field(6, ge=0, description="rounds the old grouping is kept after a rejected split "
+                                            "(paper Sec. V: 6)")
+    lambda_gamma: float = Field(0.2, gt=0, le=1, description="step of the normalised threshold "
+                                                              "gamma~ per split (paper Sec. V: 0.2)")
+    tau: int = Field(5, ge=1, description="aggregation interval of high-discrepancy layers "
+                                          "(paper Sec. V: 5)")
+    alpha: int = Field(3, ge=1, description="interval factor of low-discrepancy layers, aggregated "
+                                            "every alpha*tau rounds (paper Sec. V: 3)")
+    low_ratio: float = Field(0.1, ge=0, description="a layer is low-discrepancy below this fraction "
+                                                    "of the group's mean discrepancy (Eq. 6: 0.1)")
+
+
+# -- Eq. 3 and Eq. 5: model discrepancy ----------------------------------------------------
+def minmax(w: torch.Tensor) -> torch.Tensor:
+    """S(w) of Eq. 3 over the last dimension; a constant vector maps to zeros (no range)."""
+    w = w.to(torch.float64)
+    lo = w.min(dim=-1, keepdim=True).values
+    span = w.max(dim=-1, keepdim=True).values - lo
+    return torch.where(span > 0, (w - lo) / torch.where(span > 0, span, 1.0), torch.zeros_like(w))
+
+
+def discrepancy_matrix(flat: torch.Tensor) -> torch.Tensor:
+    """D_ij = |S(w_i) - S(w_j)|_1 / dim(w) for the rows of ``flat`` [n, dim] (Eq. 3)."""
+    s = minmax(flat)
+    return torch.cdist(s, s, p=1) / flat.shape[1]
+
+
+def layer_discrepancy(client_layers: torch.Tensor, group_layer: torch.Tensor) -> float:
+    """D_{g,l} of Eq. 5: mean over the group's clients of |S(w_l,i) - S(w^g_l)|_1 / dim."""
+    diff = (minmax(client_layers) - minmax(group_layer.reshape(1, -1))).abs().sum(dim=1)
+    return float(diff.mean()) / client_layers.shape[1]
+
+
+def low_layers(disc: list[float], ratio: float) -> list[bool]:
+    """Eq. 6: a layer is low-discrepancy when D_{g,l} < ratio * D_g (D_g: mean over layers)."""
+    mean = sum(disc) / len(disc)
+    return [d < ratio * mean for d in disc]
+
+
+def layers_due(rnd: int, phase_start: int, low: list[bool], tau: int, alpha: int) -> list[bool]:
+    """Which layers are aggregated in round ``rnd``: high ones every tau rounds, low ones every
+    alpha*tau rounds, counted from the round the group's schedule (re)started."""
+    k = rnd - phase_start
+    return [k > 0 and k % (alpha * tau if lo else tau) == 0 for lo in low]
+
+
+# -- Sec. III-B: hierarchical group graph ----------------------------------------------------
+def group_graph(disc: np.ndarray) -> tuple[np.ndarray, float]:
+    """Average-linkage dendrogram of the discrepancy matrix and gamma_global, the smallest
+    threshold that puts every client in one group (the last merge height)."""
+    from scipy.cluster.hierarchy import linkage
+    from scipy.spatial.distance import squareform
+
+    n = disc.shape[0]
+    if n < 2:
+        return np.zeros((0, 4)), 0.0
+    sym = (disc + disc.T) / 2
+    np.fill_diagonal(sym, 0.0)
+    z = linkage(squareform(sym, checks=False), method="average")
+    return z, float(z[:, 2].max())
+
+
+def cut(z: np.ndarray, gamma_global: float, gamma_tilde: float, n: int) -> list[int]:
+    """Grouping at normalised threshold gamma~ = gamma / gamma_global: clients whose groups
+    merge at a height <= gamma~ * gamma_global share a group. Labels are numbered by first
+    appearance so equal groupings compare equal."""
+    from scipy.cluster.hierarchy import fcluster
+
+    if n < 2:
+        return [0] * n
+    raw = fcluster(z, t=gamma_tilde * gamma_global, criterion="distance")
+    return canonical(raw.tolist())
+
+
+def canonical(labels: list[int]) -> list[int]:
+    seen: dict[int, int] = {}
+    return [seen.setdefault(int(x), len(seen)) for x in labels]
+
+
+def refines(fine: list[int], coarse: list[int]) -> bool:
+    """True when every group of ``fine`` lies inside one group of ``coarse``."""
+    owner: dict[int, int] = {}
+    return all(owner.setdefault(f, c) == c for f, c in zip(fine, coarse, strict=True))
+
+
+# -- Sec. III-C: rapid decrease periods --------------------------------------------------------
+def radius_of_curvature(losses: list[float], s: int) -> list[float]:
+    """r(t) of Eq. 4 for each round of ``losses`` (nan where undefined).
+
+    l_w(t) = 1/s * sum_{t'=max(1,t-s)}^{t} l(t') (the paper's window, 1-based), l'(t) = l_w(t)
+    - l_w(t-1), l''(t) = l'(t) - l'(t-1). r(t) is only defined once all three windows it
+    uses are full (t >= s + 3), so the ramp of a filling window is not mistaken for a bend;
+    where l'' <= 0 the curve does not bend towards flattening and r is +inf.
+    """
+    n = len(losses)
+    lw = [sum(losses[max(1, t - s) - 1:t]) / s for t in range(1, n + 1)]
+    out = []
+    for t in range(1, n + 1):
+        if t < s + 3:
+            out.append(math.nan)
+            continue
+        d1 = lw[t - 1] - lw[t - 2]
+        d1_prev = lw[t - 2] - lw[t - 3]
+        d2 = d1 - d1_prev
+        # a bend below rounding noise of the smoothed loss is no bend (a straight line's l''
+        # comes out as +-1e-16, which would otherwise give huge but finite, jittering radii)
+        eps = 1e-9 * (1.0 + abs(lw[t - 1]))
+        out.append((1 + d1 * d1) ** 1.5 / d2 if d2 > eps else math.inf)
+    return out
+
+
+def rdp_ended(losses: list[float], s: int, t_obv: int) -> bool:
+    """The RDP has ended when r(t) < r(t') for t' = t+1..t+t_obv, t + t_obv being now: the
+    radius reached a minimum t_obv rounds ago and has not decreased since."""
+    r = radius_of_curvature(losses, s)
+    if len(r) < t_obv + 1:
+        return False
+    window = r[-t_obv - 1:]
+    if any(math.isnan(x) for x in window) or not math.isfinite(window[0]):
+        return False
+    return all(window[0] < x for x in window[1:])
+
+
+# -- server --------------------------------------------------------------------------------
+class DCPFLServer(Server):
+    def __init__(self, ctx: ServerContext, hp: DCPFLHyperparameters):
+        super().__init__(ctx, hp)
+        n, nl = ctx.num_clients, len(ctx.layers)
+        self.names = list(ctx.init_model)
+        self.params = ctx.layers.param_names
+        self.uploads = StackedStore(n)      # each client's latest uploaded weights
+        self.group = StackedStore(n)        # row i: the current model of i's group
+        self.trial0 = StackedStore(n)       # M0 / M1 of a pending trial
+        self.trial1 = StackedStore(n)
+        for cid in range(n):
+            self.uploads.set_row(cid, ctx.init_model)
+            self.group.set_row(cid, ctx.init_model)
+        self.disc_sum = torch.zeros(n, n, dtype=torch.float64)
+        self.disc_count = torch.zeros(n, n, dtype=torch.float64)
+        self.z = torch.zeros(max(n - 1, 0), 4, dtype=torch.float64)
+        self.gamma_global = 0.0
+        self.built = False
+        self.labels = [0] * n
+        self.gamma = 1.0
+        self.proposal: list[int] = [0] * n
+        self.proposal_gamma = 1.0
+        self.mode = WARMUP
+        self.phase_start = 0                 # round the layer schedule (re)started
+        self.retry_at = -1                   # round after which a rejected split is retried
+        self.done = False                    # every client is its own group
+        self.pending = torch.ones(n, nl, dtype=torch.bool)   # layers to download next round
+        self.low = torch.zeros(n, nl, dtype=torch.bool)      # Eq. 6 class of i's group's layers
+        self.losses: list[float] = []        # l(t) since the current grouping began
+        self.history: list[tuple[int, float, list[int]]] = [(0, 1.0, list(self.labels))]
+        self.trials: list[tuple[int, float, float, float, int]] = []
+        self._metrics: dict[str, float] = {}
+
+    # -- helpers -------------------------------------------------------------------------
+    def _layer_names(self, mask: torch.Tensor, full: bool) -> list[str]:
+        names = self.ctx.layers.params_of([i for i, m in enumerate(mask.tolist()) if m])
+        return names + list(self.ctx.layers.buffers) if full else names
+
+    def _members(self, labels: list[int]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for cid, g in enumerate(labels):
+            groups.setdefault(g, []).append(cid)
+        return groups
+
+    def _aggregate_groups(self, labels: list[int], replies: dict[int, Message],
+                          names_of: dict[int, list[str]], target: StackedStore,
+                          prefix: str = "") -> None:
+        """Sample-weighted average per group of the named tensors, written to every member."""
+        for members in self._members(labels).values():
+            present = [c for c in members if c in replies]
+            names = names_of.get(members[0], [])
+            if not present or not names:
+                continue
+            states = [{n: replies[c].tensors[prefix + n] for n in names} for c in present]
+            weights = [_num_samples(c, replies[c]) for c in present]
+            if sum(weights) == 0:
+                continue
+            avg = weighted_average(states, weights)
+            for c in members:
+                target.set_row(c, avg)
+
+    def _classify(self, labels: list[int]) -> None:
+        """Eq. 5-6 for every group from the clients' latest weights vs. the group model."""
+        hp = self.hp
+        for members in self._members(labels).values():
+            disc = []
+            for i in range(len(self.ctx.layers)):
+                names = self.ctx.layers.params_of(i)
+                w = torch.stack([torch.cat([self.uploads.tensors[n][c].flatten() for n in names])
+                                 for c in members])
+                g = torch.cat([self.group.tensors[n][members[0]].flatten() for n in names])
+                disc.append(layer_discrepancy(w, g))
+            low = torch.tensor(low_layers(disc, hp.low_ratio))
+            for c in members:
+                self.low[c] = low
+
+    def _flat(self, cids: list[int], replies: dict[int, Message]) -> torch.Tensor:
+        return torch.stack([torch.cat([replies[c].tensors[n].flatten().to(torch.float64)
+                                       for n in self.params]) for c in cids])
+
+    def _propose(self) -> bool:
+        """The next grouping down the graph that actually differs from the current one."""
+        n = self.ctx.num_clients
+        g = self.gamma
+        while g > 0:
+            g = max(0.0, g - self.hp.lambda_gamma)
+            if g < 1e-9:
+                g = 0.0
+            labels = cut(self.z.numpy(), self.gamma_global, g, n)
+            if labels != self.labels:
+                self.proposal, self.proposal_gamma = labels, g
+                return True
+        self.done = True
+        return False
+
+    # -- protocol --------------------------------------------------------------------------
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
+        out = {}
+        sizes = {g: len(m) for g, m in self._members(self.labels).items()}
+        for cid in selected:
+            if self.mode == TRIAL:
+                t0 = {f"m0.{k}": v for k, v in self.trial0.row(cid).items()}
+                t1 = {f"m1.{k}": v for k, v in self.trial1.row(cid).items()}
+                out[cid] = Message({**t0, **t1}, {"mode": "trial"})
+            else:
+                down = self.group.row(cid, self._layer_names(self.pending[cid], bool(self.pending[cid].all())))
+                if self.mode in (WARMUP, SYNC):
+                    up = list(range(len(self.ctx.layers)))
+                elif sizes[self.labels[cid]] == 1:
+                    up = []  # a one-client group's aggregate is its own model: nothing to send
+                else:
+                    up = [i for i, d in enumerate(layers_due(rnd, self.phase_start,
+                                                             self.low[cid].tolist(), self.hp.tau,
+                                                             self.hp.alpha)) if d]
+                out[cid] = Message({k: v.clone() for k, v in down.items()},
+                                   {"mode": MODE_NAMES[self.mode], "up": up})
+            self.pending[cid] = False
+        return out
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        hp = self.hp
+        n = self.ctx.num_clients
+        mode = self.mode
+        self._metrics = {"mode": float(mode)}
+        if mode == TRIAL:
+            self._finish_trial(rnd, replies)
+            self._after(rnd)
+            return
+        for reply in replies.values():
+            reply.require("num_samples", "loss")
+        ups = {cid: r.meta["up"] for cid, r in replies.items()}
+        for cid, reply in replies.items():
+            self.uploads.set_row(cid, reply.tensors)
+        names_of: dict[int, list[str]] = {}
+        for cid, up in ups.items():
+            mask = torch.zeros(len(self.ctx.layers), dtype=torch.bool)
+            mask[list(up)] = True
+            names_of[cid] = self._layer_names(mask, bool(mask.all()))
+        for cid in range(n):  # a group's members share one schedule; fill the absent ones
+            if cid not in names_of:
+                names_of[cid] = []
+        for members in self._members(self.labels).values():
+            lead = next((c for c in members if names_of[c]), members[0])
+            for c in members:
+                names_of[c] = names_of[lead]
+        self._aggregate_groups(self.labels, replies, names_of, self.group)
+        for cid in range(n):
+            if names_of[cid]:
+                self.pending[cid] |= torch.tensor(
+                    [all(p in names_of[cid] for p in self.ctx.layers.params_of(i))
+                     for i in range(len(self.ctx.layers))])
+        if replies:
+            self.losses.append(float(np.mean([float(r.meta["loss"]) for r in replies.values()])))
+        self._metrics["layers_up_mean"] = float(np.mean([len(u) for u in ups.values()])) if ups else 0.0
+
+        if mode == WARMUP:
+            cids = sorted(replies)
+            if len(cids) >= 2:
+                d = discrepancy_matrix(self._flat(cids, replies))
+                idx = torch.tensor(cids)
+                self.disc_sum[idx.unsqueeze(1), idx] += d
+                self.disc_count[idx.unsqueeze(1), idx] += 1
+            if rnd >= hp.t_start:
+                avg = (self.disc_sum / self.disc_count.clamp(min=1)).numpy()
+                z, self.gamma_global = group_graph(avg)
+                self.z = torch.from_numpy(z).to(torch.float64)
+                self.built = True
+                self.labels = cut(z, self.gamma_global, 1.0, n)
+                self.phase_start = rnd
+                self._classify(self.labels)
+                self.mode = NORMAL
+        elif mode == SYNC:
+            # fresh full weights: the old (M0) and proposed (M1) group models of the trial
+            full = {c: list(self.names) for c in range(n)}
+            self._aggregate_groups(self.labels, replies, full, self.trial0)
+            self._aggregate_groups(self.proposal, replies, full, self.trial1)
+            self.mode = TRIAL
+            return
+        elif mode == NORMAL and (rnd - self.phase_start) % (hp.alpha * hp.tau) == 0:
+            self._classify(self.labels)  # every layer was just synchronised: re-derive Eq. 6
+        self._after(rnd)
+
+    def _after(self, rnd: int) -> None:
+        """Decide whether the next round is a sync round opening a split trial."""
+        if not self.built or self.done or self.mode != NORMAL:
+            return
+        if self.retry_at >= 0:
+            if rnd >= self.retry_at:
+                self.retry_at = -1
+                self.mode = SYNC
+            return
+        if rdp_ended(self.losses, self.hp.s, self.hp.t_obv) and self._propose():
+            self.mode = SYNC
+
+    def _finish_trial(self, rnd: int, replies: dict[int, Message]) -> None:
+        for reply in replies.values():
+            reply.require("num_samples", "loss0", "loss1")
+        l0 = float(np.mean([float(r.meta["loss0"]) for r in replies.values()])) if replies else 0.0
+        l1 = float(np.mean([float(r.meta["loss1"]) for r in replies.values()])) if replies else 0.0
+        accept = l0 > l1  # the paper's rule: evolve only if the mean loss decreases
+        self.trials.append((rnd, self.proposal_gamma, l0, l1, int(accept)))
+        prefix = "m1." if accept else "m0."
+        for cid, reply in replies.items():
+            self.uploads.set_row(cid, {k[3:]: v for k, v in reply.tensors.items()
+                                       if k.startswith(prefix)})
+        if accept:
+            self.labels, self.gamma = list(self.proposal), self.proposal_gamma
+            self.history.append((rnd, self.gamma, list(self.labels)))
+            self.losses = []
+        else:
+            self.retry_at = rnd + self.hp.t_sp
+        full = {c: list(self.names) for c in range(self.ctx.num_clients)}
+        self._aggregate_groups(self.labels, replies, full, self.group, prefix)
+        self.pending[:] = True
+        self.phase_start = rnd
+        self._classify(self.labels)
+        self.mode = NORMAL
+        if accept and len(set(self.labels)) == self.ctx.num_clients:
+            self.done = True
+        self._metrics["trial_accepted"] = float(accept)
+
+    def eval_message(self, cid: int) -> Message | None:
+        # what the client will hold once it receives the layers aggregated this round
+        return Message(self.group.row(cid, self._layer_names(self.pending[cid],
+                                                              bool(self.pending[cid].all()))))
+
+    def round_metrics(self) -> dict[str, float]:
+        return {"groups": float(len(set(self.labels))), "gamma_tilde": self.gamma, **self._metrics}
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def state_dict(self) -> State:
+        out: State = {}
+        out.update(self.uploads.state_dict("uploads/"))
+        out.update(self.group.state_dict("group/"))
+        out.update(self.trial0.state_dict("trial0/"))
+        out.update(self.trial1.state_dict("trial1/"))
+        f64 = torch.float64
+        out.update({
+            "disc_sum": self.disc_sum.clone(), "disc_count": self.disc_count.clone(),
+            "z": self.z.clone(), "pending": self.pending.clone(), "low": self.low.clone(),
+            "scalars": torch.tensor([self.gamma_global, float(self.built), self.gamma,
+                                     self.proposal_gamma, float(self.mode),
+                                     float(self.phase_start), float(self.retry_at),
+                                     float(self.done)], dtype=f64),
+            "labels": torch.tensor(self.labels, dtype=torch.long),
+            "proposal": torch.tensor(self.proposal, dtype=torch.long),
+            "losses": torch.tensor(self.losses, dtype=f64),
+            "history_round": torch.tensor([h[0] for h in self.history], dtype=torch.long),
+            "history_gamma": torch.tensor([h[1] for h in self.history], dtype=f64),
+            "history_labels": torch.tensor([h[2] for h in self.history], dtype=torch.long),
+            "trials": torch.tensor(self.trials, dtype=f64).reshape(-1, 5),
+        })
+        return out
+
+    def load_state_dict(self, state: State) -> None:
+        self.uploads.load_state_dict(state, "uploads/")
+        self.group.load_state_dict(state, "group/")
+        self.trial0.load_state_dict(state, "trial0/")
+        self.trial1.load_state_dict(state, "trial1/")
+        self.disc_sum = state["disc_sum"].clone()
+        self.disc_count = state["disc_count"].clone()
+        self.z = state["z"].clone()
+        self.pending = state["pending"].clone().bool()
+        self.low = state["low"].clone().bool()
+        sc = state["scalars"].tolist()
+        self.gamma_global, self.built, self.gamma, self.proposal_gamma = sc[0], bool(sc[1]), sc[2], sc[3]
+        self.mode, self.phase_start, self.retry_at, self.done = int(sc[4]), int(sc[5]), int(sc[6]), bool(sc[7])
+        self.labels = state["labels"].tolist()
+        self.proposal = state["proposal"].tolist()
+        self.losses = state["losses"].tolist()
+        self.history = list(zip(state["history_round"].tolist(), state["history_gamma"].tolist(),
+                                state["history_labels"].tolist(), strict=True))
+        self.trials = [tuple(t) for t in state["trials"].tolist()]
+
+    # -- artifacts ---------------------------------------------------------------------------
+    def write_artifacts(self, out_dir: Path, plots: bool) -> None:
+        from edgepfl.engine.io import write_json
+
+        avg = (self.disc_sum / self.disc_count.clamp(min=1)).tolist()
+        write_json(Path(out_dir) / "dcpfl_groups.json", {
+            "gamma_global": self.gamma_global,
+            "discrepancy": avg,
+            "linkage": self.z.tolist(),
+            "groupings": [{"round": r, "gamma_tilde": g, "labels": lab} for r, g, lab in self.history],
+            "trials": [{"round": int(t[0]), "gamma_tilde": t[1], "loss_old": t[2], "loss_new": t[3],
+                        "accepted": bool(t[4])} for t in self.trials],
+        })
+        if plots and self.built and self.ctx.num_clients >= 2:
+            plot_group_graph(self.z.numpy(), self.gamma_global,
+                             [g for _, g, _ in self.history], Path(out_dir) / "dcpfl_group_graph.png")
+
+
+def plot_group_graph(z: np.ndarray, gamma_global: float, cuts: list[float], path: Path) -> None:
+    """Dendrogram on the normalised axis gamma~ with the cuts the run took."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from scipy.cluster.hierarchy import dendrogram
+
+    from edgepfl.report.plots import _save
+
+    zz = z.copy()
+    if gamma_global > 0:
+        zz[:, 2] /= gamma_global
+    fig, ax = plt.subplots(figsize=(7, 4))
+    dendrogram(zz, ax=ax, color_threshold=0)
+    for g in cuts:
+        ax.axhline(g, color="tab:red", linestyle="--", linewidth=1)
+        ax.text(ax.get_xlim()[1], g, f" {g:.2f}", va="center", color="tab:red", fontsize=8)
+    ax.set_xlabel("client")
+    ax.set_ylabel("normalised threshold gamma~")
+    ax.set_title("DC-PFL hierarchical group graph and chosen cuts")
+    _save(fig, path)
+
+
+def _num_samples(cid: int, reply: Message) -> int:
+    n = reply.meta.get("num_samples")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise MessageError(f"client {cid} sent num_samples = {n!r}; expected an integer >= 0")
+    return n
+
+
+# -- client ---------------------------------------------------------------------------------
+class DCPFLClient(Client):
+    def init_state(self, cid: int, init_model: State) -> State:
+        return {f"model.{k}": v.clone() for k, v in init_model.items()}
+
+    def _loss(self, state: State, data: ClientData) -> float:
+        if data.n == 0:
+            return 0.0
+        x, y = data.gather()
+        return self.trainer.evaluate(state, x, y)[1] / data.n
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        mode = msg.meta.get("mode")
+        if mode == "trial":
+            return self._trial(msg, data, gen)
+        msg.require("up")
+        held = {**self.personal_model(state, None), **msg.tensors}
+        loss = self._loss(held, data)  # l_i(t): the received model before local SGD (Sec. III-C)
+        self.trainer.load(held)
+        stats = fit(self, data, gen)
+        weights = self.trainer.export()
+        up = [int(i) for i in msg.meta["up"]]  # type: ignore[union-attr]
+        names = self.ctx.layers.params_of(up)
+        if len(up) == len(self.ctx.layers):
+            names = names + list(self.ctx.layers.buffers)
+        reply = Message({n: weights[n] for n in names},
+                        {"num_samples": data.n, "loss": loss, "up": up})
+        return UpdateResult(reply, {f"model.{k}": v for k, v in weights.items()}, stats)
+
+    def _trial(self, msg: Message, data: ClientData, gen: torch.Generator) -> UpdateResult:
+        """Train from both the old (M0) and the proposed (M1) group model on the same batch
+        order, report both training losses and upload both results; the server keeps one."""
+        start = gen.get_state()
+        out, losses, stats = {}, {}, {}
+        for tag in ("m0", "m1"):
+            model = {k[3:]: v for k, v in msg.tensors.items() if k.startswith(tag + ".")}
+            gen.set_state(start)
+            self.trainer.load(model)
+            st = fit(self, data, gen)
+            trained = self.trainer.export()
+            losses[tag] = self._loss(trained, data)
+            out.update({f"{tag}.{k}": v for k, v in trained.items()})
+            if tag == "m0":
+                stats = st
+        reply = Message(out, {"num_samples": data.n, "loss0": losses["m0"], "loss1": losses["m1"]})
+        # the next round's download carries the chosen group model in full, so what the
+        # client keeps here is overwritten before it is used to train
+        keep = {f"model.{k[3:]}": v for k, v in out.items() if k.startswith("m0.")}
+        return UpdateResult(reply, keep, stats)
+
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        model = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        if eval_msg is not None:
+            model.update(eval_msg.tensors)
+        return model
+
+
+ALGORITHM = Algorithm(
+    name="dcpfl",
+    summary="DC-PFL: dynamic hierarchical clustering by model discrepancy, split at the end of "
+            "rapid loss-decrease periods, layer-wise aggregation intervals",
+    hyperparameters=DCPFLHyperparameters,
+    server=DCPFLServer,
+    client=DCPFLClient,
+    paper="Liu, Huang, He, Cao, Dynamic Clustering for Personalized Federated Learning on "
+          "Heterogeneous Edge Devices (DC-PFL)",
+)

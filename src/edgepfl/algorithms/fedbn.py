@@ -1,0 +1,97 @@
+"""FedBN (Li et al., ICLR 2021): BatchNorm layers stay local, everything else is averaged.
+
+Feature shift between clients (different scanners, styles, lighting) shows up in the
+normalisation statistics; keeping each client's BatchNorm affine parameters and running
+statistics private lets one shared backbone serve differently distributed inputs. The
+server is FedAvg restricted to the non-BatchNorm tensors, so BatchNorm tensors never
+travel in either direction. On a model without BatchNorm FedBN is FedAvg exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Hyperparameters,
+    ServerContext,
+    State,
+    UpdateResult,
+)
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.algorithms.local import fit
+from edgepfl.algorithms.training import ClientData
+from edgepfl.engine.messages import Message, MessageError
+from edgepfl.models.layers import LayerSpec
+
+
+class FedBNHyperparameters(Hyperparameters):
+    """FedBN has no hyperparameters of its own (the paper uses plain FedAvg training)."""
+
+
+def batchnorm_names(layers: LayerSpec) -> list[str]:
+    """Parameters and buffers of the BatchNorm layers of a model.
+
+    Derived from the LayerSpec both sides hold: a BatchNorm module is the module that owns
+    a ``running_mean`` buffer, and its tensors are its parameters plus all its buffers.
+    (A BatchNorm without running statistics is not recognised; none of our models has one.)
+    """
+    modules = {b.rsplit(".", 1)[0] for b in layers.buffers if b.endswith("running_mean")}
+
+    def owner(name: str) -> str:
+        return name.rsplit(".", 1)[0] if "." in name else ""
+
+    params = [p for p in layers.param_names if owner(p) in modules]
+    buffers = [b for b in layers.buffers if owner(b) in modules]
+    return params + buffers
+
+
+class FedBNServer(FedAvgServer):
+    """FedAvg over the shared (non-BatchNorm) tensors only."""
+
+    def __init__(self, ctx: ServerContext, hp):
+        super().__init__(ctx, hp)
+        local = set(batchnorm_names(ctx.layers))
+        self.global_model = {k: v for k, v in self.global_model.items() if k not in local}
+
+
+class FedBNClient(Client):
+    def __init__(self, ctx: ClientContext, hp):
+        super().__init__(ctx, hp)
+        self.local_names = batchnorm_names(ctx.layers)
+        local = set(self.local_names)
+        self.shared_names = [n for n in self.trainer.state_names if n not in local]
+
+    def init_state(self, cid: int, init_model: State) -> State:
+        # every client starts from the same BatchNorm initialisation, then they diverge
+        return {f"bn.{n}": init_model[n].clone() for n in self.local_names}
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        self.trainer.load(self.personal_model(state, msg))
+        stats = fit(self, data, gen)
+        reply = Message(self.trainer.export(self.shared_names), {"num_samples": data.n})
+        new_state = {f"bn.{n}": v for n, v in self.trainer.export(self.local_names).items()}
+        return UpdateResult(reply, new_state, stats)
+
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        if eval_msg is None:
+            raise MessageError("FedBN clients need the shared model, but none was given")
+        unexpected = set(eval_msg.tensors) & set(self.local_names)
+        if unexpected:
+            raise MessageError(f"FedBN server sent BatchNorm tensors {sorted(unexpected)}")
+        model = dict(eval_msg.tensors)
+        model.update({n: state[f"bn.{n}"] for n in self.local_names})
+        return model
+
+
+ALGORITHM = Algorithm(
+    name="fedbn",
+    summary="FedBN: BatchNorm layers stay on each client, all other layers FedAvg-averaged",
+    hyperparameters=FedBNHyperparameters,
+    server=FedBNServer,
+    client=FedBNClient,
+    paper="Li et al., FedBN: Federated Learning on Non-IID Features via Local Batch Normalization, ICLR 2021",
+)

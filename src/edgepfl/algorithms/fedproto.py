@@ -1,0 +1,199 @@
+"""FedProto (Tan et al., AAAI 2022): federated prototype learning.
+
+Clients never share model weights. Each client uploads the mean feature vector
+(prototype) of each class it holds; the server averages them into global prototypes and
+sends those back; a client's local loss adds ``lamda * MSE(f(x), C_y)``, pulling the
+features of a sample towards the global prototype of its class. As in the paper, a
+client classifies by the nearest global prototype in feature space.
+
+Nearest-prototype classification ``argmin_c ||f(x) - C_c||^2 = argmax_c 2 C_c.f(x) - ||C_c||^2``
+is a linear layer on the features, so the personal model handed to the engine's
+evaluation is the client's feature extractor with its classifier replaced by
+``W = 2 C, b = -||C||^2`` (classes without a global prototype get a bias that can never
+win). The engine's shared evaluation then measures exactly the paper's inference rule.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Hyperparameters,
+    Server,
+    ServerContext,
+    State,
+    UpdateResult,
+)
+from edgepfl.algorithms.local import fit
+from edgepfl.algorithms.training import ClientData
+from edgepfl.engine.messages import Message, MessageError
+from edgepfl.models.layers import LayerSpec
+
+ABSENT = -1e9  # logit bias of a class without a global prototype: never the nearest
+
+
+class FedProtoHyperparameters(Hyperparameters):
+    lamda: float = Field(1.0, ge=0, description="weight of the prototype regularizer "
+                         "(FedProto paper and code: 1)")
+    predict: Literal["prototypes", "classifier"] = Field(
+        "prototypes", description="inference rule: nearest global prototype (FedProto paper) "
+        "or the client's own classifier")
+
+
+def classifier_names(layers: LayerSpec, model: State) -> tuple[str, str]:
+    """(weight, bias) of the model's last layer, the classifier on ``model.features``."""
+    names = layers.params_of(len(layers) - 1)
+    weight = [n for n in names if model[n].dim() == 2]
+    bias = [n for n in names if model[n].dim() == 1]
+    if len(weight) != 1 or len(bias) != 1:
+        raise ValueError(f"FedProto needs a linear last layer with a bias, got {names}")
+    return weight[0], bias[0]
+
+
+def prototype_classifier(protos: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight and bias of the linear layer whose argmax is the nearest prototype."""
+    weight = torch.where(present[:, None], 2.0 * protos, torch.zeros_like(protos))
+    bias = torch.where(present, -(protos * protos).sum(1), torch.full_like(protos[:, 0], ABSENT))
+    return weight, bias
+
+
+def prototype_loss(features: torch.Tensor, y: torch.Tensor, protos: torch.Tensor,
+                   present: torch.Tensor) -> torch.Tensor:
+    """MSE between features and their class's global prototype, as FedProto's code computes
+    it: mean over batch x feature entries, samples of classes without a prototype count 0."""
+    mask = present[y]
+    diff = (features - protos[y]) * mask[:, None].to(features.dtype)
+    return diff.pow(2).sum() / features.numel()
+
+
+class FedProtoServer(Server):
+    def __init__(self, ctx: ServerContext, hp):
+        super().__init__(ctx, hp)
+        weight, _ = classifier_names(ctx.layers, ctx.init_model)
+        classes, dim = ctx.init_model[weight].shape
+        self.protos = torch.zeros(classes, dim)
+        self.present = torch.zeros(classes, dtype=torch.bool)
+
+    def _message(self) -> Message:
+        classes = self.present.nonzero().flatten()
+        if classes.numel() == 0:
+            return Message()
+        return Message({"protos": self.protos[classes].clone()}, {"classes": classes.tolist()})
+
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
+        msg = self._message()
+        return {cid: msg for cid in selected}
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        total = torch.zeros_like(self.protos, dtype=torch.float64)
+        counts = torch.zeros(self.protos.shape[0], dtype=torch.float64)
+        for cid, reply in replies.items():
+            if reply.is_empty():
+                continue
+            reply.require("protos", "classes", "counts")
+            classes, n = reply.meta["classes"], reply.meta["counts"]
+            protos = reply.tensors["protos"]
+            if not (isinstance(classes, list) and isinstance(n, list)
+                    and len(classes) == len(n) == protos.shape[0]
+                    and protos.shape[1:] == self.protos.shape[1:]):
+                raise MessageError(f"client {cid} sent malformed prototypes")
+            idx = torch.tensor(classes, dtype=torch.long)
+            w = torch.tensor(n, dtype=torch.float64)
+            total.index_add_(0, idx, protos.double() * w[:, None])
+            counts.index_add_(0, idx, w)
+        seen = counts > 0
+        # classes reported this round get the sample-weighted mean of this round's
+        # prototypes; the others keep theirs (partial participation)
+        self.protos[seen] = (total[seen] / counts[seen, None]).to(self.protos.dtype)
+        self.present |= seen
+
+    def eval_message(self, cid: int) -> Message | None:
+        return self._message()
+
+    def state_dict(self) -> State:
+        return {"protos": self.protos, "present": self.present}
+
+    def load_state_dict(self, state: State) -> None:
+        self.protos = state["protos"].clone()
+        self.present = state["present"].clone().bool()
+
+
+class FedProtoClient(Client):
+    def __init__(self, ctx: ClientContext, hp):
+        super().__init__(ctx, hp)
+        self.weight, self.bias = classifier_names(ctx.layers, self.trainer.export())
+        self.num_classes, self.dim = self.trainer.params[self.weight].shape
+
+    def _global(self, msg: Message | None) -> tuple[torch.Tensor, torch.Tensor]:
+        protos = torch.zeros(self.num_classes, self.dim)
+        present = torch.zeros(self.num_classes, dtype=torch.bool)
+        if msg is not None and not msg.is_empty():
+            msg.require("protos", "classes")
+            idx = torch.tensor(msg.meta["classes"], dtype=torch.long)
+            protos[idx] = msg.tensors["protos"]
+            present[idx] = True
+        return protos, present
+
+    def init_state(self, cid: int, init_model: State) -> State:
+        return {f"model.{k}": v.clone() for k, v in init_model.items()}
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        protos, present = self._global(msg)
+        self.trainer.load(self._own(state))
+        lamda = self.hp.lamda
+
+        def loss_hook(model, logits, x, y):
+            return lamda * prototype_loss(model.features(x), y, protos, present)
+
+        stats = fit(self, data, gen, loss_hook=loss_hook if present.any() else None)
+        model = self.trainer.export()
+        classes, local, counts = self.local_prototypes(data)
+        reply = Message({"protos": local}, {"classes": classes, "counts": counts})
+        return UpdateResult(reply, {f"model.{k}": v for k, v in model.items()}, stats)
+
+    @torch.no_grad()
+    def local_prototypes(self, data: ClientData) -> tuple[list[int], torch.Tensor, list[int]]:
+        """Per-class mean features of the trained local model on all local samples (eval mode)."""
+        model = self.trainer.model
+        model.eval()
+        x, y = data.gather()
+        sums = torch.zeros(self.num_classes, self.dim)
+        for start in range(0, y.numel(), self.trainer.eval_batch_size):
+            xb, yb = x[start:start + self.trainer.eval_batch_size], y[start:start + self.trainer.eval_batch_size]
+            sums.index_add_(0, yb, model.features(xb))
+        counts = torch.bincount(y, minlength=self.num_classes)
+        classes = counts.nonzero().flatten()
+        local = sums[classes] / counts[classes, None].to(sums.dtype)
+        return classes.tolist(), local, counts[classes].tolist()
+
+    @staticmethod
+    def _own(state: State) -> State:
+        return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        model = self._own(state)
+        if self.hp.predict == "classifier":
+            return model
+        protos, present = self._global(eval_msg)
+        if not present.any():
+            return model  # no global prototype yet: nothing to compare with
+        weight, bias = prototype_classifier(protos, present)
+        model[self.weight], model[self.bias] = weight, bias
+        return model
+
+
+ALGORITHM = Algorithm(
+    name="fedproto",
+    summary="FedProto: class prototypes up and down, prototype regularizer, nearest-prototype inference",
+    hyperparameters=FedProtoHyperparameters,
+    server=FedProtoServer,
+    client=FedProtoClient,
+    paper="Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022",
+)

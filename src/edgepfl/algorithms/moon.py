@@ -1,0 +1,184 @@
+"""MOON (Li, He and Song, CVPR 2021): model-contrastive federated learning.
+
+FedAvg whose client loss adds ``mu * l_con``: the representation of a sample under the
+model being trained is pulled towards its representation under the received global
+model and pushed away from its representation under the client's previous local model,
+
+    l_con = -log( e^{sim(z, z_glob)/tau} / (e^{sim(z, z_glob)/tau} + e^{sim(z, z_prev)/tau}) )
+
+with cosine similarity ``sim``. Representations come from a projection head (a 2-layer
+MLP) on the model's features; the head is part of the federated model (averaged with it).
+The previous local model lives in the client's state. The loss term is built with autograd
+on the live features (only ``z_glob`` and ``z_prev`` are constants), and with mu = 0 the
+training is FedAvg's bit for bit (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Hyperparameters,
+    ServerContext,
+    State,
+    UpdateResult,
+)
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.algorithms.training import ClientData, Trainer
+from edgepfl.engine.messages import Message, MessageError
+from edgepfl.engine.rng import derive_seed
+from edgepfl.models.layers import LayerSpec
+
+PROJ = "proj."
+
+
+class MOONHyperparameters(Hyperparameters):
+    mu: float = Field(5.0, ge=0, description="weight of the model-contrastive loss "
+                      "(MOON paper: 5 for CIFAR-10, 1 for CIFAR-100 / Tiny-ImageNet)")
+    temperature: float = Field(0.5, gt=0, description="temperature tau of the contrastive "
+                               "loss (MOON paper: 0.5)")
+    proj_dim: int = Field(256, ge=1, description="output size of the 2-layer MLP projection "
+                          "head (MOON paper: 256)")
+
+
+def feature_dim(layers: LayerSpec, model: State) -> int:
+    """Input size of the classifier (the last layer's weight matrix), i.e. of ``features``."""
+    weights = [model[p] for p in layers.params_of(len(layers) - 1) if model[p].dim() == 2]
+    if not weights:
+        raise ValueError("MOON needs a model whose last layer is linear")
+    return int(weights[0].shape[1])
+
+
+def projection_head(in_dim: int, out_dim: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(in_dim, in_dim), nn.ReLU(), nn.Linear(in_dim, out_dim))
+
+
+def init_projection(in_dim: int, out_dim: int, seed: int) -> State:
+    """The projection head's initial weights, the same on server and client (own seed,
+    global RNG untouched, so the backbone's initialisation and data order are unchanged)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "moon", "projection"))
+        head = projection_head(in_dim, out_dim)
+    return {f"{PROJ}{k}": v.detach().clone() for k, v in head.state_dict().items()}
+
+
+def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor,
+                     temperature: float) -> torch.Tensor:
+    """MOON's l_con, averaged over the batch (the global representation is the positive)."""
+    pos = F.cosine_similarity(z, z_glob, dim=-1) / temperature
+    neg = F.cosine_similarity(z, z_prev, dim=-1) / temperature
+    logits = torch.stack([pos, neg], dim=1)
+    return F.cross_entropy(logits, torch.zeros(z.shape[0], dtype=torch.long))
+
+
+class MOONNet(nn.Module):
+    """The run's model plus the projection head; predicts with the model alone."""
+
+    def __init__(self, net: nn.Module, proj: nn.Module):
+        super().__init__()
+        self.net = net
+        self.proj = proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def represent(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.net.features(x))
+
+
+class MOONServer(FedAvgServer):
+    """FedAvg over the model and the projection head."""
+
+    def __init__(self, ctx: ServerContext, hp):
+        super().__init__(ctx, hp)
+        self.model_names = list(ctx.init_model)
+        dim = feature_dim(ctx.layers, ctx.init_model)
+        self.global_model.update(init_projection(dim, hp.proj_dim, ctx.seed))
+
+    def eval_message(self, cid: int) -> Message | None:
+        # MOON's clients predict with the global model; the projection head is training-only
+        return Message({n: self.global_model[n] for n in self.model_names})
+
+
+class MOONClient(Client):
+    def __init__(self, ctx: ClientContext, hp):
+        super().__init__(ctx, hp)
+        model = ctx.trainer.model
+        self.model_names = list(ctx.trainer.state_names)
+        dim = feature_dim(ctx.layers, dict(model.named_parameters()))
+        self.proj_init = init_projection(dim, hp.proj_dim, ctx.seed)
+        # one skeleton sharing the run model's parameters, so the SGD on the model is the
+        # trainer's own; two more for the constant global and previous representations
+        self.net = MOONNet(model, projection_head(dim, hp.proj_dim))
+        self.moon = Trainer(self.net)
+        self.glob = Trainer(copy.deepcopy(self.net))
+        self.prev = Trainer(copy.deepcopy(self.net))
+        for fixed in (self.glob, self.prev):
+            fixed.model.eval()
+            fixed.model.requires_grad_(False)
+
+    @staticmethod
+    def _inner(tensors: State) -> State:
+        """Names of the run model / head -> names inside ``MOONNet``."""
+        return {(k if k.startswith(PROJ) else f"net.{k}"): v for k, v in tensors.items()}
+
+    @staticmethod
+    def _outer(tensors: State) -> State:
+        return {(k[len("net."):] if k.startswith("net.") else k): v for k, v in tensors.items()}
+
+    def init_state(self, cid: int, init_model: State) -> State:
+        # before its first round a client's "previous model" is the initial global model,
+        # as in the MOON code (which starts every old_net from the initial global net)
+        model = {**{k: v.clone() for k, v in init_model.items()}, **self.proj_init}
+        return {f"prev.{k}": v for k, v in model.items()}
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        expected = set(self.model_names) | set(self.proj_init)
+        if set(msg.tensors) != expected:
+            raise MessageError(f"MOON message has {sorted(msg.tensors)}, expected {sorted(expected)}")
+        inner = self._inner(msg.tensors)
+        self.trainer.forget()  # the run's skeleton is overwritten through the shared modules
+        self.moon.load(inner)
+        self.glob.load(inner)
+        self.prev.load(self._inner({k[len("prev."):]: v for k, v in state.items()}))
+        mu, tau = self.hp.mu, self.hp.temperature
+        glob, prev = self.glob.model, self.prev.model
+
+        def loss_hook(model, logits, x, y):
+            z = model.represent(x)
+            with torch.no_grad():
+                z_glob, z_prev = glob.represent(x), prev.represent(x)
+            return mu * contrastive_loss(z, z_glob, z_prev, tau)
+
+        # the run's SGD settings, applied to the model and the projection head together
+        t = self.ctx.train
+        stats = self.moon.fit(data, t.local_epochs, t.batch_size, t.lr, gen,
+                              momentum=t.momentum, weight_decay=t.weight_decay,
+                              loss_hook=loss_hook)
+        trained = self._outer(self.moon.export())
+        reply = Message(trained, {"num_samples": data.n})
+        return UpdateResult(reply, {f"prev.{k}": v for k, v in trained.items()}, stats)
+
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        if eval_msg is None:
+            raise MessageError("MOON clients predict with the global model, but none was given")
+        return eval_msg.tensors
+
+
+ALGORITHM = Algorithm(
+    name="moon",
+    summary="MOON: FedAvg plus a model-contrastive loss (global vs previous local representation)",
+    hyperparameters=MOONHyperparameters,
+    server=MOONServer,
+    client=MOONClient,
+    paper="Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021",
+)

@@ -1,0 +1,146 @@
+"""Per-FedAvg (Fallah, Mokhtari, Ozdaglar, NeurIPS 2020): FedAvg on the MAML objective
+F_i(w) = f_i(w - alpha grad f_i(w)), evaluated after one local adaptation step.
+
+Local step (Algorithm 1): on a batch D, w~ = w - alpha grad f(w; D); on a batch D',
+* first-order (``perfedavg``, FO): w <- w - beta grad f(w~; D');
+* Hessian-free (``perfedavg_hf``, HF): w <- w - beta (I - alpha H(w; D'')) grad f(w~; D'),
+  with the Hessian-vector product H v = [grad f(w + delta v) - grad f(w - delta v)] / (2 delta)
+  on a third batch D''.
+The server averages as FedAvg. A client predicts with the global model after one SGD step
+of size alpha on a batch of its own training data ("evaluated after one step of local
+adaptation"), so each client keeps that batch in its state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from edgepfl.algorithms.base import Algorithm, Client, Hyperparameters, State, UpdateResult
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.algorithms.training import ClientData
+from edgepfl.engine.messages import Message, MessageError
+
+
+class PerFedAvgHyperparameters(Hyperparameters):
+    alpha: float = Field(0.01, gt=0, description="inner (adaptation) step size alpha; Per-FedAvg "
+                                                 "Sec. 6 uses a small fixed alpha (our choice: 0.01)")
+    beta: float | None = Field(None, gt=0, description="outer step size beta (Algorithm 1); "
+                                                       "None = train.lr")
+    delta: float = Field(0.001, gt=0, description="finite-difference step of the HF Hessian-vector "
+                                                  "product (Per-FedAvg Sec. 5, delta)")
+
+
+class PerFedAvgClient(Client):
+    hessian_free = False
+
+    def _grads(self, params, x, y) -> list[torch.Tensor]:
+        loss = F.cross_entropy(self.trainer.model(x), y)
+        return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        hp, t = self.hp, self.ctx.train
+        beta = hp.beta if hp.beta is not None else t.lr
+        self.trainer.load(msg.tensors)
+        model = self.trainer.model
+        model.train()
+        params = [self.trainer.params[n] for n in self.trainer.param_names]
+        need = 3 if self.hessian_free else 2
+        loss_sum, seen, steps = 0.0, 0, 0
+        for _ in range(t.local_epochs):
+            batches = list(data.batches(t.batch_size, gen))
+            for k in range(0, len(batches) - need + 1, need):
+                (x1, y1), (x2, y2) = batches[k], batches[k + 1]
+                w = [p.detach().clone() for p in params]
+                g1 = self._grads(params, x1, y1)
+                with torch.no_grad():
+                    for p, g in zip(params, g1, strict=True):
+                        if g is not None:
+                            p.sub_(hp.alpha * g)
+                out = model(x2)
+                loss2 = F.cross_entropy(out, y2)
+                g2 = [g if g is not None else torch.zeros_like(p) for p, g in
+                      zip(params, torch.autograd.grad(loss2, params, allow_unused=True), strict=True)]
+                with torch.no_grad():
+                    for p, w0 in zip(params, w, strict=True):
+                        p.copy_(w0)
+                step = g2
+                if self.hessian_free:
+                    x3, y3 = batches[k + 2]
+                    hv = self._hvp(params, w, g2, x3, y3)
+                    step = [g - hp.alpha * h for g, h in zip(g2, hv, strict=True)]
+                with torch.no_grad():
+                    for p, s in zip(params, step, strict=True):
+                        p.sub_(beta * s)
+                loss_sum += float(loss2.detach()) * y2.numel()
+                seen += y2.numel()
+                steps += 1
+        adapt = self._adapt_batch(data, gen)
+        reply = Message(self.trainer.export(), {"num_samples": data.n})
+        stats = {"train_loss": loss_sum / max(seen, 1), "steps": float(steps)}
+        return UpdateResult(reply, adapt, stats)
+
+    def _hvp(self, params, w, v, x, y) -> list[torch.Tensor]:
+        """Finite-difference Hessian-vector product at w along v (Per-FedAvg's HF variant)."""
+        d = self.hp.delta
+        out = []
+        for sign in (1.0, -1.0):
+            with torch.no_grad():
+                for p, w0, vi in zip(params, w, v, strict=True):
+                    p.copy_(w0 + sign * d * vi)
+            out.append([g if g is not None else torch.zeros_like(p)
+                        for p, g in zip(params, self._grads(params, x, y), strict=True)])
+        with torch.no_grad():
+            for p, w0 in zip(params, w, strict=True):
+                p.copy_(w0)
+        return [(a - b) / (2 * d) for a, b in zip(out[0], out[1], strict=True)]
+
+    def _adapt_batch(self, data: ClientData, gen: torch.Generator) -> State:
+        """A fixed-size batch of the client's own data for the evaluation-time step (drawn
+        with replacement when the client has fewer samples than a batch)."""
+        b = self.ctx.train.batch_size
+        if data.n == 0:
+            return {}
+        pick = torch.randint(data.n, (b,), generator=gen) if data.n < b else torch.randperm(
+            data.n, generator=gen)[:b]
+        idx = data.idx[pick]
+        return {"adapt.x": data.x.index_select(0, idx), "adapt.y": data.y.index_select(0, idx)}
+
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        if eval_msg is None:
+            raise MessageError("Per-FedAvg clients adapt the global model, but none was given")
+        if "adapt.x" not in state:
+            return eval_msg.tensors
+        self.trainer.load(eval_msg.tensors)
+        self.trainer.model.train()
+        params = [self.trainer.params[n] for n in self.trainer.param_names]
+        with torch.enable_grad():
+            grads = self._grads(params, state["adapt.x"], state["adapt.y"])
+        model = dict(eval_msg.tensors)
+        for n, g in zip(self.trainer.param_names, grads, strict=True):
+            if g is not None:
+                model[n] = eval_msg.tensors[n] - self.hp.alpha * g
+        return model
+
+
+class PerFedAvgHFClient(PerFedAvgClient):
+    hessian_free = True
+
+
+_PAPER = "Fallah, Mokhtari, Ozdaglar, Personalized Federated Learning with Theoretical Guarantees: " \
+         "A Model-Agnostic Meta-Learning Approach, NeurIPS 2020"
+
+ALGORITHMS = (
+    Algorithm(name="perfedavg",
+              summary="Per-FedAvg (FO): first-order MAML local steps, FedAvg server, one "
+                      "adaptation step before evaluation",
+              hyperparameters=PerFedAvgHyperparameters, server=FedAvgServer,
+              client=PerFedAvgClient, paper=_PAPER),
+    Algorithm(name="perfedavg_hf",
+              summary="Per-FedAvg (HF): Hessian-free MAML local steps (finite-difference "
+                      "Hessian-vector product), one adaptation step before evaluation",
+              hyperparameters=PerFedAvgHyperparameters, server=FedAvgServer,
+              client=PerFedAvgHFClient, paper=_PAPER),
+)

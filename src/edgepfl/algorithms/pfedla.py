@@ -1,0 +1,195 @@
+"""pFedLA (Ma et al., CVPR 2022): layer-wise personalized aggregation by hypernetworks.
+
+The server keeps every client's latest model ``theta_j`` and, for each client ``i``, a
+hypernetwork ``HN_i(v_i; phi_i)`` (a learnable embedding ``v_i`` through an MLP) that
+outputs, for every layer ``l``, non-negative weights ``alpha_i^l`` over the clients that
+sum to one. Client ``i`` receives the personalized aggregate
+``bar theta_i^l = sum_j alpha_i^{l,j} theta_j^l``, trains it locally to ``theta_i`` and
+returns it. The update ``delta = theta_i - bar theta_i`` approximates ``-eta grad L``, so
+the hypernetwork is moved along the chain rule *in the descent direction*:
+
+    phi_i <- phi_i - hn_lr * (d bar theta_i / d phi_i)^T (-delta)
+
+(the sign is what a faulty implementation gets wrong; a test checks the loss goes down).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Client,
+    Hyperparameters,
+    Server,
+    ServerContext,
+    State,
+    UpdateResult,
+)
+from edgepfl.algorithms.local import fit
+from edgepfl.algorithms.training import ClientData
+from edgepfl.engine.messages import Message, MessageError
+from edgepfl.engine.rng import derive_seed
+
+
+class PFedLAHyperparameters(Hyperparameters):
+    hn_lr: float = Field(5e-3, gt=0, description="hypernetwork SGD learning rate (pFedLA "
+                         "public implementation: 5e-3)")
+    embedding_dim: int = Field(100, ge=1, description="client embedding size (pFedLA "
+                               "public implementation: 100)")
+    hidden_dim: int = Field(100, ge=1, description="hypernetwork MLP width (pFedLA public "
+                            "implementation: 100)")
+
+
+class HyperNetwork(nn.Module):
+    """Embedding -> 3-layer MLP -> one head per model layer giving N aggregation weights.
+
+    Heads start at weight 0, bias 1, so every client starts from uniform weights (the
+    FedAvg-like average); weights are ReLU outputs normalised to sum to one per layer.
+    """
+
+    def __init__(self, num_clients: int, num_layers: int, embedding_dim: int, hidden_dim: int):
+        super().__init__()
+        self.embedding = nn.Parameter(torch.randn(embedding_dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(embedding_dim, hidden_dim), nn.ReLU(),
+            nn.Linear(hidden_dim, hidden_dim), nn.ReLU(),
+            nn.Linear(hidden_dim, hidden_dim), nn.ReLU())
+        self.heads = nn.Linear(hidden_dim, num_layers * num_clients)  # all layer heads at once
+        nn.init.zeros_(self.heads.weight)
+        nn.init.ones_(self.heads.bias)
+        self.num_layers, self.num_clients = num_layers, num_clients
+
+    def forward(self, self_index: int) -> torch.Tensor:
+        """``[L, N]`` aggregation weights, rows non-negative and summing to one."""
+        raw = F.relu(self.heads(self.mlp(self.embedding))).view(self.num_layers, self.num_clients)
+        total = raw.sum(1, keepdim=True)
+        # a row the ReLU switched off entirely falls back to the client's own layer
+        own = F.one_hot(torch.tensor(self_index), self.num_clients).to(raw.dtype).expand_as(raw)
+        return torch.where(total > 0, raw / total.clamp_min(1e-12), own)
+
+
+class PFedLAServer(Server):
+    def __init__(self, ctx: ServerContext, hp):
+        super().__init__(ctx, hp)
+        n = ctx.num_clients
+        self.models: State = {k: v.unsqueeze(0).repeat(n, *([1] * v.dim())).clone()
+                              for k, v in ctx.init_model.items()}
+        # which layer's weights combine each tensor (buffers follow their module's layer)
+        self.layer_of: dict[str, int | None] = {}
+        layer_index = {layer.name: i for i, layer in enumerate(ctx.layers.layers)}
+        for name in ctx.init_model:
+            try:
+                self.layer_of[name] = ctx.layers.layer_of(name)
+            except KeyError:
+                self.layer_of[name] = layer_index.get(name.rsplit(".", 1)[0])
+        with torch.random.fork_rng(devices=[]):  # a skeleton; its own values are never used
+            self.hn = HyperNetwork(n, len(ctx.layers), hp.embedding_dim, hp.hidden_dim)
+        self.hn_names = [k for k, _ in self.hn.named_parameters()]
+        self.hn_params: State = {}
+        for cid in range(n):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(ctx.seed, "pfedla", "hypernetwork", cid))
+                fresh = HyperNetwork(n, len(ctx.layers), hp.embedding_dim, hp.hidden_dim)
+            for k, v in fresh.named_parameters():
+                if k not in self.hn_params:
+                    self.hn_params[k] = torch.zeros(n, *v.shape)
+                self.hn_params[k][cid] = v.detach()
+
+    # -- the hypernetwork of one client -----------------------------------------------
+    def _load(self, cid: int) -> None:
+        with torch.no_grad():
+            for k, p in self.hn.named_parameters():
+                p.copy_(self.hn_params[k][cid])
+
+    def alpha(self, cid: int) -> torch.Tensor:
+        """Client ``cid``'s current layer-wise weights ``[L, N]`` (no graph)."""
+        self._load(cid)
+        with torch.no_grad():
+            return self.hn(cid)
+
+    def aggregate_for(self, cid: int, alpha: torch.Tensor) -> State:
+        """``bar theta_i``: per tensor, the weights of its layer over the stored models."""
+        out: State = {}
+        for name, stack in self.models.items():
+            layer = self.layer_of[name]
+            if not stack.is_floating_point() or layer is None:
+                out[name] = stack[cid].clone()
+            else:
+                out[name] = torch.tensordot(alpha[layer].to(stack.dtype), stack, dims=1)
+        return out
+
+    def update_hypernetwork(self, cid: int, delta: State) -> None:
+        """One SGD step of ``HN_cid`` with gradient ``(d bar theta / d phi)^T (-delta)``."""
+        self._load(cid)
+        params = list(self.hn.parameters())
+        bar = self.aggregate_for(cid, self.hn(cid))
+        names = [n for n in delta if bar[n].requires_grad]
+        # the vector-Jacobian product as the gradient of <bar theta, -delta> (backward()
+        # rather than autograd.grad: the engine's FLOP counter hooks support only the former)
+        for p in params:
+            p.grad = None
+        surrogate = sum((bar[n] * -delta[n]).sum() for n in names)
+        if isinstance(surrogate, torch.Tensor):
+            surrogate.backward()
+        with torch.no_grad():
+            for k, p in zip(self.hn_names, params, strict=True):
+                if p.grad is not None:
+                    self.hn_params[k][cid] -= self.hp.hn_lr * p.grad
+                p.grad = None
+
+    # -- protocol ----------------------------------------------------------------------
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
+        return {cid: Message(self.aggregate_for(cid, self.alpha(cid))) for cid in selected}
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        # every hypernetwork step uses the models the aggregates were built from, so the
+        # replies are stored only after all steps
+        for cid, reply in replies.items():
+            missing = set(self.models) - set(reply.tensors)
+            if missing:
+                raise MessageError(f"client {cid}'s model lacks {sorted(missing)}")
+            sent = self.aggregate_for(cid, self.alpha(cid))
+            delta = {n: reply.tensors[n] - sent[n] for n in sent if sent[n].is_floating_point()}
+            self.update_hypernetwork(cid, delta)
+        for cid, reply in replies.items():
+            for name, stack in self.models.items():
+                stack[cid].copy_(reply.tensors[name])
+
+    def state_dict(self) -> State:
+        out = {f"models.{k}": v for k, v in self.models.items()}
+        out.update({f"hn.{k}": v for k, v in self.hn_params.items()})
+        return out
+
+    def load_state_dict(self, state: State) -> None:
+        self.models = {k[len("models."):]: v.clone() for k, v in state.items()
+                       if k.startswith("models.")}
+        self.hn_params = {k[len("hn."):]: v.clone() for k, v in state.items() if k.startswith("hn.")}
+
+
+class PFedLAClient(Client):
+    def init_state(self, cid: int, init_model: State) -> State:
+        return {f"model.{k}": v.clone() for k, v in init_model.items()}
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        self.trainer.load(msg.tensors)
+        stats = fit(self, data, gen)
+        model = self.trainer.export()
+        return UpdateResult(Message(model), {f"model.{k}": v for k, v in model.items()}, stats)
+
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+
+
+ALGORITHM = Algorithm(
+    name="pfedla",
+    summary="pFedLA: per-client hypernetworks give layer-wise aggregation weights",
+    hyperparameters=PFedLAHyperparameters,
+    server=PFedLAServer,
+    client=PFedLAClient,
+    paper="Ma et al., Layer-wised Model Aggregation for Personalized Federated Learning, CVPR 2022",
+)

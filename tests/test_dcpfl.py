@@ -1,0 +1,170 @@
+"""Defining properties of DC-PFL (edgepfl.algorithms.dcpfl)."""
+
+import math
+
+import numpy as np
+import torch
+
+from edgepfl.algorithms import ALGORITHMS
+from edgepfl.algorithms.dcpfl import (
+    NORMAL,
+    TRIAL,
+    cut,
+    discrepancy_matrix,
+    group_graph,
+    layer_discrepancy,
+    layers_due,
+    low_layers,
+    radius_of_curvature,
+    rdp_ended,
+    refines,
+)
+from edgepfl.engine.messages import Message
+from edgepfl.engine.simulation import Simulation, resume_run, start_run
+from tests.conftest import fast_config
+
+# short phases so that a few seconds of training see warm-up, splits and trials
+QUICK = ("algorithm.name=dcpfl", "algorithm.t_start=2", "algorithm.s=2", "algorithm.t_obv=1",
+         "algorithm.t_sp=1", "algorithm.tau=2", "algorithm.alpha=2", "dataset.fraction=0.4")
+
+
+def test_registered():
+    assert "dcpfl" in ALGORITHMS
+    hp = ALGORITHMS["dcpfl"].hyperparameters()
+    assert (hp.s, hp.t_obv, hp.t_sp, hp.lambda_gamma, hp.tau, hp.alpha) == (5, 3, 6, 0.2, 5, 3)
+
+
+def test_discrepancy_symmetric_zero_diagonal_affine_invariant():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 300, generator=gen)
+    d = discrepancy_matrix(w)
+    assert torch.allclose(d, d.T)
+    assert torch.all(d.diagonal() == 0)
+    assert (d + torch.eye(5)).min() > 0  # distinct models are apart
+    moved = w.clone()
+    moved[2] = 3.7 * moved[2] - 1.25  # a positive affine change of client 2's weights
+    assert torch.allclose(discrepancy_matrix(moved), d, atol=1e-12)
+    flipped = w.clone()
+    flipped[2] = -flipped[2]  # not positive: must change the discrepancy
+    assert not torch.allclose(discrepancy_matrix(flipped), d)
+
+
+def test_discrepancy_is_mean_l1_of_minmax_scaled_weights():
+    w = torch.tensor([[0.0, 1.0, 2.0, 4.0], [1.0, 1.0, 3.0, 5.0]])
+    # S(w0) = [0, .25, .5, 1], S(w1) = [0, 0, .5, 1]; L1 = .25; / dim 4
+    assert math.isclose(float(discrepancy_matrix(w)[0, 1]), 0.0625)
+    assert math.isclose(layer_discrepancy(w, w[0]), 0.0625 / 2)
+
+
+def test_group_graph_extremes_and_nesting():
+    gen = torch.Generator().manual_seed(1)
+    centres = torch.randn(3, 50, generator=gen) * 5
+    w = torch.cat([centres[i % 3] + 0.1 * torch.randn(1, 50, generator=gen) for i in range(9)])
+    disc = discrepancy_matrix(w).numpy()
+    z, gamma_global = group_graph(disc)
+    assert gamma_global == z[:, 2].max() > 0
+    assert cut(z, gamma_global, 1.0, 9) == [0] * 9
+    assert sorted(cut(z, gamma_global, 0.0, 9)) == list(range(9))
+    previous = cut(z, gamma_global, 1.0, 9)
+    for g in np.linspace(1, 0, 21):
+        labels = cut(z, gamma_global, float(g), 9)
+        assert refines(labels, previous)
+        previous = labels
+    # the three planted clusters are found somewhere on the way down
+    assert any(cut(z, gamma_global, float(g), 9) == [0, 1, 2] * 3 for g in np.linspace(1, 0, 101))
+
+
+def test_group_graph_is_average_linkage():
+    # a, b close; c far: average distance of {a,b} to c is the mean of d(a,c), d(b,c)
+    disc = np.array([[0, 1, 4], [1, 0, 6], [4, 6, 0]], dtype=float)
+    z, gamma_global = group_graph(disc)
+    assert gamma_global == 5.0  # single linkage would say 4, complete 6
+
+
+def test_radius_of_curvature_detector():
+    t = np.arange(1, 61)
+    knee = 25
+    curve = list(np.log1p(np.exp(-(t - knee) / 2.0)) * 2.0 + 0.1)  # steep line, then flat
+    fired = [k for k in range(1, 61) if rdp_ended(curve[:k], 5, 3)]
+    assert fired, "no RDP end detected on a curve with a clear knee"
+    assert knee - 2 <= fired[0] <= knee + 12
+    line = list(5.0 - 0.1 * t)
+    assert not any(rdp_ended(line[:k], 5, 3) for k in range(1, 61))
+    assert not any(rdp_ended(curve[:k], 5, 3) for k in range(1, knee - 5))
+    r = radius_of_curvature(curve, 5)
+    assert all(math.isnan(x) for x in r[:7]) and not math.isnan(r[7])
+
+
+def test_eq6_and_schedule():
+    assert low_layers([1.0, 0.05, 2.0, 0.9], 0.1) == [False, True, False, False]
+    low = [True, False]
+    due = [layers_due(r, 10, low, tau=2, alpha=3) for r in range(10, 23)]
+    assert [d[1] for d in due] == [r > 10 and (r - 10) % 2 == 0 for r in range(10, 23)]
+    assert [d[0] for d in due] == [r > 10 and (r - 10) % 6 == 0 for r in range(10, 23)]
+
+
+def test_groupings_only_split_and_do_split():
+    sim = Simulation(fast_config(*QUICK, "train.rounds=14"), progress=False)
+    groups = [sim.step()["groups"] for _ in range(14)]
+    history = [labels for _, _, labels in sim.server.history]
+    assert len(history) >= 2, "no split happened"
+    for coarse, fine in zip(history, history[1:], strict=False):
+        assert refines(fine, coarse) and len(set(fine)) > len(set(coarse))
+    assert groups == sorted(groups)
+
+
+def test_unaggregated_layer_costs_no_bytes():
+    # low_ratio = 1: layers below the group's mean discrepancy are aggregated every alpha*tau
+    sim = Simulation(fast_config(*QUICK, "algorithm.low_ratio=1.0", "algorithm.s=50",
+                                 "train.rounds=8"), progress=False)
+    layer_bytes = [sum(sim.server.group.tensors[p][0].numel() * 4 for p in sim.layers.params_of(i))
+                   for i in range(len(sim.layers))]
+    full = sum(layer_bytes)
+    for _ in range(2):
+        sim.step()
+    srv = sim.server
+    assert srv.mode == NORMAL
+    low = srv.low[0].tolist()
+    assert any(low) and not all(low)
+    for _ in range(6):
+        rnd = sim.round + 1
+        low = srv.low[0].tolist()  # re-derived at every full synchronisation
+        due = layers_due(rnd, srv.phase_start, low, srv.hp.tau, srv.hp.alpha)
+        row = sim.step()
+        payload = sum(b for b, d in zip(layer_bytes, due, strict=True) if d) * 6
+        assert payload <= row["bytes_up"] < payload + 6 * 120, (rnd, due)
+        if not all(due):
+            assert row["bytes_up"] < 6 * full
+        if not any(due):
+            assert row["bytes_up"] < 6 * 120
+
+
+def test_trial_keeps_new_grouping_only_if_loss_lower():
+    sim = Simulation(fast_config(*QUICK, "train.rounds=3"), progress=False)
+    for _ in range(2):
+        sim.step()
+    srv = sim.server
+    model = {k: v.clone() for k, v in sim.server.ctx.init_model.items()}
+    tensors = {**{f"m0.{k}": v for k, v in model.items()}, **{f"m1.{k}": v for k, v in model.items()}}
+    for l0, l1, accepted in ((1.0, 2.0, False), (2.0, 1.0, True)):
+        srv.mode, srv.labels, srv.proposal, srv.proposal_gamma = TRIAL, [0] * 6, [0, 0, 0, 1, 1, 1], 0.8
+        srv.retry_at = -1
+        replies = {c: Message(tensors, {"num_samples": 10, "loss0": l0, "loss1": l1}) for c in range(6)}
+        srv.aggregate(7, replies)
+        assert (srv.labels == [0, 0, 0, 1, 1, 1]) is accepted
+        assert (srv.retry_at == 7 + srv.hp.t_sp) is not accepted
+
+
+def test_resume_reproduces_metrics(tmp_path):
+    cfg = fast_config(*QUICK, "train.rounds=10")
+    full = start_run(cfg, tmp_path / "full", progress=False).metrics
+    part = fast_config(*QUICK, "train.rounds=10", "output.checkpoint_every=100")
+    sim = Simulation(part, tmp_path / "part", progress=False)
+    sim._write_setup()
+    for _ in range(7):
+        sim.step()
+    sim.save_checkpoint()
+    resumed = resume_run(tmp_path / "part", progress=False).metrics
+    keys = ["acc_mean", "loss", "train_loss", "bytes_up", "bytes_down", "groups"]
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full]
+    assert (tmp_path / "full" / "dcpfl_groups.json").exists()
