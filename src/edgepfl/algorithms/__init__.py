@@ -29,6 +29,7 @@ _MODULES = [
     "fedamp",
     "fedproto",
     "pfedla",
+    "clusterfl",
 ]
 
 ALGORITHMS: dict[str, Algorithm] = {}
