@@ -30,6 +30,18 @@ from edgepfl.models.layers import LayerSpec
 
 State = dict[str, torch.Tensor]
 
+MODEL_PREFIX = "model."
+
+
+def model_to_state(model: State) -> State:
+    """A client's personal model as entries of its persistent state (``model.<param>``)."""
+    return {MODEL_PREFIX + k: v for k, v in model.items()}
+
+
+def model_from_state(state: State) -> State:
+    """The personal model stored by ``model_to_state`` (other state entries ignored)."""
+    return {k[len(MODEL_PREFIX):]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+
 
 class Hyperparameters(BaseModel):
     """Base of every algorithm's typed hyperparameters (unknown keys are errors)."""

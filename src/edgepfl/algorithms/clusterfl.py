@@ -40,6 +40,8 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    model_from_state,
+    model_to_state,
 )
 from edgepfl.algorithms.fedprox import proximal_hook
 from edgepfl.algorithms.local import fit
@@ -255,7 +257,7 @@ class ClusterFLServer(Server):
 # -- client ----------------------------------------------------------------------------------
 class ClusterFLClient(Client):
     def init_state(self, cid: int, init_model: State) -> State:
-        return {f"model.{k}": v.clone() for k, v in init_model.items()}
+        return model_to_state(init_model)
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
@@ -273,10 +275,10 @@ class ClusterFLClient(Client):
             upload = bool(msg.meta.get("upload", False))
         trained = self.trainer.export()
         reply = Message({n: trained[n] for n in names}) if upload else Message()
-        return UpdateResult(reply, {f"model.{k}": v for k, v in trained.items()}, stats)
+        return UpdateResult(reply, model_to_state(trained), stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        return model_from_state(state)
 
 
 ALGORITHM = Algorithm(

@@ -35,6 +35,8 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    model_from_state,
+    model_to_state,
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData, weighted_average
@@ -501,7 +503,7 @@ def _num_samples(cid: int, reply: Message) -> int:
 # -- client ---------------------------------------------------------------------------------
 class DCPFLClient(Client):
     def init_state(self, cid: int, init_model: State) -> State:
-        return {f"model.{k}": v.clone() for k, v in init_model.items()}
+        return model_to_state(init_model)
 
     def _loss(self, state: State, data: ClientData) -> float:
         if data.n == 0:
@@ -526,7 +528,7 @@ class DCPFLClient(Client):
             names = names + list(self.ctx.layers.buffers)
         reply = Message({n: weights[n] for n in names},
                         {"num_samples": data.n, "loss": loss, "up": up})
-        return UpdateResult(reply, {f"model.{k}": v for k, v in weights.items()}, stats)
+        return UpdateResult(reply, model_to_state(weights), stats)
 
     def _trial(self, msg: Message, data: ClientData, gen: torch.Generator) -> UpdateResult:
         """Train from both the old (M0) and the proposed (M1) group model on the same batch
@@ -550,7 +552,7 @@ class DCPFLClient(Client):
         return UpdateResult(reply, keep, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        model = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        model = model_from_state(state)
         if eval_msg is not None:
             model.update(eval_msg.tensors)
         return model

@@ -18,6 +18,8 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    model_from_state,
+    model_to_state,
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData, weighted_average
@@ -71,7 +73,7 @@ class FedAvgServer(Server):
 class FedAvgClient(Client):
     def init_state(self, cid: int, init_model: State) -> State:
         if self.hp.evaluate == "local":
-            return {f"model.{k}": v for k, v in init_model.items()}
+            return model_to_state(init_model)
         return {}
 
     def grad_hook(self, msg: Message):
@@ -84,13 +86,13 @@ class FedAvgClient(Client):
         stats = fit(self, data, gen, grad_hook=self.grad_hook(msg))
         trained = self.trainer.export()
         if self.hp.evaluate == "local":
-            state = {f"model.{k}": v for k, v in trained.items()}
+            state = model_to_state(trained)
         return UpdateResult(Message(trained, {"num_samples": data.n}), state, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if self.hp.evaluate == "local":
             # a client never selected yet still holds the initial model
-            return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+            return model_from_state(state)
         if eval_msg is None:
             raise MessageError("FedAvg clients predict with the global model, but none was given")
         return eval_msg.tensors

@@ -29,6 +29,8 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    model_from_state,
+    model_to_state,
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData
@@ -141,7 +143,7 @@ class FedProtoClient(Client):
         return protos, present
 
     def init_state(self, cid: int, init_model: State) -> State:
-        return {f"model.{k}": v.clone() for k, v in init_model.items()}
+        return model_to_state(init_model)
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
@@ -156,7 +158,7 @@ class FedProtoClient(Client):
         model = self.trainer.export()
         classes, local, counts = self.local_prototypes(data)
         reply = Message({"protos": local}, {"classes": classes, "counts": counts})
-        return UpdateResult(reply, {f"model.{k}": v for k, v in model.items()}, stats)
+        return UpdateResult(reply, model_to_state(model), stats)
 
     @torch.no_grad()
     def local_prototypes(self, data: ClientData) -> tuple[list[int], torch.Tensor, list[int]]:
@@ -175,7 +177,7 @@ class FedProtoClient(Client):
 
     @staticmethod
     def _own(state: State) -> State:
-        return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        return model_from_state(state)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         model = self._own(state)

@@ -47,6 +47,8 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    model_from_state,
+    model_to_state,
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData
@@ -455,7 +457,7 @@ class KAPCClient(Client):
         self.d_out, self.n_cols = layer_shapes(spec, dict(self.trainer.params))
 
     def init_state(self, cid: int, init_model: State) -> State:
-        state = {f"model.{k}": v for k, v in init_model.items()}
+        state = model_to_state(init_model)
         if self.bls:
             L = len(self.spec)
             state.update({
@@ -467,7 +469,7 @@ class KAPCClient(Client):
         return state
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        return model_from_state(state)
 
     def _targets(self, msg: Message, previous: State) -> list[torch.Tensor]:
         """The coaching target per parameter: s_i where sent, else the previous weights."""
@@ -500,7 +502,7 @@ class KAPCClient(Client):
             hook = coaching_hook(self.hp.lam, targets, self.hp.coaching_loss, self.groups)
         stats = fit(self, data, gen, grad_hook=hook)
         trained = self.trainer.export()
-        new_state: State = {f"model.{k}": v for k, v in trained.items()}
+        new_state: State = model_to_state(trained)
         count = len(self.spec)
         if self.bls:
             count, bls_state, evals = self._select_layers(state, trained, targets, data)

@@ -15,6 +15,8 @@ from edgepfl.algorithms.base import (
     Server,
     State,
     UpdateResult,
+    model_from_state,
+    model_to_state,
 )
 from edgepfl.algorithms.training import ClientData
 from edgepfl.engine.messages import Message
@@ -34,16 +36,16 @@ class LocalServer(Server):
 
 class LocalClient(Client):
     def init_state(self, cid: int, init_model: State) -> State:
-        return {f"model.{k}": v for k, v in init_model.items()}
+        return model_to_state(init_model)
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         self.trainer.load(self.personal_model(state, None))
         stats = fit(self, data, gen)
-        return UpdateResult(Message(), {f"model.{k}": v for k, v in self.trainer.export().items()}, stats)
+        return UpdateResult(Message(), model_to_state(self.trainer.export()), stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        return model_from_state(state)
 
 
 def fit(client: Client, data: ClientData, gen: torch.Generator, **hooks) -> dict[str, float]:

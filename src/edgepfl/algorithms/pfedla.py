@@ -28,6 +28,8 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    model_from_state,
+    model_to_state,
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData
@@ -172,17 +174,17 @@ class PFedLAServer(Server):
 
 class PFedLAClient(Client):
     def init_state(self, cid: int, init_model: State) -> State:
-        return {f"model.{k}": v.clone() for k, v in init_model.items()}
+        return model_to_state(init_model)
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         self.trainer.load(msg.tensors)
         stats = fit(self, data, gen)
         model = self.trainer.export()
-        return UpdateResult(Message(model), {f"model.{k}": v for k, v in model.items()}, stats)
+        return UpdateResult(Message(model), model_to_state(model), stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        return model_from_state(state)
 
 
 ALGORITHM = Algorithm(
