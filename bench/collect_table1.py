@@ -1,0 +1,80 @@
+"""Collect Table 1 runs (bench/kapc_table1.sh, edgepfl compare) into one markdown table.
+
+    python bench/collect_table1.py runs/table1 > table.md
+
+One row per (folder, algorithm): best and final mean accuracy (mean over the seeds found),
+final std and worst client, MB up/down, BLS layer counts where recorded, and the paper's
+Table 1 value for the same data set and alpha where it has one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+# KAPC journal paper, Table 1 (10 clients, best mean accuracy, %)
+PAPER = {
+    ("mnist", "0.1"): {"local": 95.91, "fedavg": 60.06, "fedprox": 97.93, "fedamp": 97.10,
+                       "moon": 97.77, "fedbabu": 92.69, "fedbn": 83.99, "pfedla": 97.80,
+                       "kapc": 97.97, "kapc_bls": 98.00},
+    ("mnist", "0.3"): {"local": 93.13, "fedavg": 64.78, "fedprox": 95.19, "fedamp": 95.45,
+                       "moon": 97.43, "fedbabu": 90.39, "fedbn": 95.16, "pfedla": 96.35,
+                       "kapc": 97.66, "kapc_bls": 96.83},
+    ("fmnist", "0.1"): {"local": 88.33, "fedavg": 57.85, "fedprox": 96.24, "fedamp": 94.43,
+                        "moon": 96.61, "fedbabu": 93.66, "fedbn": 75.14, "pfedla": 91.23,
+                        "kapc": 96.71, "kapc_bls": 96.57},
+    ("fmnist", "0.3"): {"local": 84.77, "fedavg": 76.47, "fedprox": 87.81, "fedamp": 84.28,
+                        "moon": 86.77, "fedbabu": 85.54, "fedbn": 82.96, "pfedla": 85.74,
+                        "kapc": 88.04, "kapc_bls": 88.78},
+}
+
+
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def column_mean(rows: list[dict], col: str) -> str:
+    vals = [float(r[col]) for r in rows if r.get(col)]
+    return f"{mean(vals):.2f}" if vals else "-"
+
+
+def main(root: Path) -> None:
+    print("| runs | algorithm | seeds | rounds | best mean acc | final mean acc | final std | "
+          "final worst | MB up | MB down | layers up / down | paper (best) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        runs: dict[str, list[Path]] = {}
+        for run in sorted(folder.iterdir()):
+            m = re.fullmatch(r"(.+)-seed(\d+)", run.name)
+            if m and (run / "summary.json").is_file():
+                runs.setdefault(m.group(1), []).append(run)
+        for algo, dirs in runs.items():
+            sums = [json.loads((d / "summary.json").read_text()) for d in dirs]
+            cfg = json.loads((dirs[0] / "config.json").read_text())
+            key = (cfg["dataset"]["name"], str(cfg["partition"]["alpha"]))
+            layers = ""
+            with open(dirs[0] / "metrics.csv") as f:
+                rows = list(csv.DictReader(f))
+            if rows and "layers_up_mean" in rows[0]:
+                layers = f"{column_mean(rows, 'layers_up_mean')} / " \
+                         f"{column_mean(rows, 'layers_down_mean')}"
+            paper = PAPER.get(key, {}).get(algo)
+            label = algo
+            if cfg["algorithm"].get("evaluate") == "local":
+                label += " (local eval)"
+            print(f"| {folder.name} | {label} | {len(sums)} | {sums[0]['rounds']} | "
+                  f"{100 * mean([s['acc_mean_best'] for s in sums]):.2f} | "
+                  f"{100 * mean([s['acc_mean_final'] for s in sums]):.2f} | "
+                  f"{100 * mean([s['acc_std_final'] for s in sums]):.2f} | "
+                  f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | "
+                  f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | "
+                  f"{mean([s['bytes_down_total'] for s in sums]) / 1e6:.1f} | {layers} | "
+                  f"{'' if paper is None else f'{paper:.2f}'} |")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/table1"))
