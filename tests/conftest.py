@@ -21,6 +21,27 @@ def fast_config(*overrides: str):
     return build_config({}, base + list(overrides))
 
 
+def resumed_and_straight(tmp_path, *overrides: str):
+    """A 3-round run checkpointed after 2 rounds and resumed in a fresh Simulation, and the
+    same run done straight through (both Simulations, to compare metrics and state)."""
+    from edgepfl.engine.simulation import CHECKPOINT, Simulation
+
+    straight = Simulation(fast_config(*overrides), progress=False)
+    straight.run()
+    first = Simulation(fast_config(*overrides), tmp_path, progress=False)
+    first.step()
+    first.step()
+    first.save_checkpoint()
+    resumed = Simulation(fast_config(*overrides), tmp_path, progress=False)
+    resumed.load_checkpoint(tmp_path / CHECKPOINT)
+    resumed.step()
+    return resumed, straight
+
+
+def without_wall(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+
+
 @pytest.fixture
 def shared_data() -> Path:
     if not (SHARED_DATA / "MNIST" / "raw").exists():

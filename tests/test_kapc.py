@@ -22,9 +22,9 @@ from edgepfl.algorithms.kapc import (
 from edgepfl.config import TrainConfig
 from edgepfl.engine.io import read_tensors
 from edgepfl.engine.messages import Message, MessageError
-from edgepfl.engine.simulation import CHECKPOINT, Simulation
+from edgepfl.engine.simulation import Simulation
 from edgepfl.models import LayerSpec
-from tests.conftest import fast_config
+from tests.conftest import fast_config, resumed_and_straight, without_wall
 
 TRAINING_COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "train_loss"]
 
@@ -450,19 +450,10 @@ def test_server_rejects_uploads_that_are_not_layer_prefixes():
 # -- engine integration: state, metrics, artifacts, config ------------------------------------
 @pytest.mark.parametrize("name", ["kapc", "kapc_bls"])
 def test_resumed_run_gives_identical_metrics(tmp_path, name):
-    overrides = [f"algorithm.name={name}", "train.participation=0.5", "algorithm.r_init=random",
-                 "algorithm.r_lr=0.5"]
-    straight = _sim(*overrides)
-    straight.run()
-    first = Simulation(fast_config(*overrides), tmp_path, progress=False)
-    first.step()
-    first.step()
-    first.save_checkpoint()
-    resumed = Simulation(fast_config(*overrides), tmp_path, progress=False)
-    resumed.load_checkpoint(tmp_path / CHECKPOINT)
-    resumed.step()
-    drop = lambda rows: [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]  # noqa: E731
-    assert drop(resumed.metrics) == drop(straight.metrics)
+    resumed, straight = resumed_and_straight(
+        tmp_path, f"algorithm.name={name}", "train.participation=0.5", "algorithm.r_init=random",
+        "algorithm.r_lr=0.5")
+    assert without_wall(resumed.metrics) == without_wall(straight.metrics)
     assert torch.equal(resumed.server.R, straight.server.R)
 
 

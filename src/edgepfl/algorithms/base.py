@@ -124,6 +124,16 @@ class Client(ABC):
     def personal_model(self, state: State, eval_msg: Message | None) -> State: ...
 
 
+class PersonalModelClient(Client):
+    """A client whose personalized model persists in its state between rounds."""
+
+    def init_state(self, cid: int, init_model: State) -> State:
+        return model_to_state(init_model)
+
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        return model_from_state(state)
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str

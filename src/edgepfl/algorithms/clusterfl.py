@@ -34,13 +34,12 @@ from pydantic import Field
 
 from edgepfl.algorithms.base import (
     Algorithm,
-    Client,
     Hyperparameters,
+    PersonalModelClient,
     Server,
     ServerContext,
     State,
     UpdateResult,
-    model_from_state,
     model_to_state,
 )
 from edgepfl.algorithms.fedprox import proximal_hook
@@ -255,10 +254,7 @@ class ClusterFLServer(Server):
 
 
 # -- client ----------------------------------------------------------------------------------
-class ClusterFLClient(Client):
-    def init_state(self, cid: int, init_model: State) -> State:
-        return model_to_state(init_model)
-
+class ClusterFLClient(PersonalModelClient):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         self.trainer.load(self.personal_model(state, None))
@@ -276,9 +272,6 @@ class ClusterFLClient(Client):
         trained = self.trainer.export()
         reply = Message({n: trained[n] for n in names}) if upload else Message()
         return UpdateResult(reply, model_to_state(trained), stats)
-
-    def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return model_from_state(state)
 
 
 ALGORITHM = Algorithm(

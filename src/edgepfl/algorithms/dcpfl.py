@@ -29,8 +29,8 @@ from pydantic import Field
 
 from edgepfl.algorithms.base import (
     Algorithm,
-    Client,
     Hyperparameters,
+    PersonalModelClient,
     Server,
     ServerContext,
     State,
@@ -501,10 +501,7 @@ def _num_samples(cid: int, reply: Message) -> int:
 
 
 # -- client ---------------------------------------------------------------------------------
-class DCPFLClient(Client):
-    def init_state(self, cid: int, init_model: State) -> State:
-        return model_to_state(init_model)
-
+class DCPFLClient(PersonalModelClient):
     def _loss(self, state: State, data: ClientData) -> float:
         if data.n == 0:
             return 0.0

@@ -20,13 +20,12 @@ from pydantic import Field
 
 from edgepfl.algorithms.base import (
     Algorithm,
-    Client,
     Hyperparameters,
+    PersonalModelClient,
     Server,
     ServerContext,
     State,
     UpdateResult,
-    model_from_state,
     model_to_state,
 )
 from edgepfl.algorithms.fedprox import proximal_hook
@@ -113,10 +112,7 @@ class FedAMPServer(Server):
         return {"amp_self_weight_min": self._self_weight_min}
 
 
-class FedAMPClient(Client):
-    def init_state(self, cid: int, init_model: State) -> State:
-        return model_to_state(init_model)
-
+class FedAMPClient(PersonalModelClient):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         missing = set(self.trainer.param_names) - set(msg.tensors)
@@ -129,9 +125,6 @@ class FedAMPClient(Client):
         stats = fit(self, data, gen, grad_hook=hook)
         model = self.trainer.export()
         return UpdateResult(Message(model), model_to_state(model), stats)
-
-    def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return model_from_state(state)
 
 
 ALGORITHM = Algorithm(

@@ -22,9 +22,9 @@ from pydantic import Field
 
 from edgepfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
     Hyperparameters,
+    PersonalModelClient,
     Server,
     ServerContext,
     State,
@@ -126,7 +126,7 @@ class FedProtoServer(Server):
         self.present = state["present"].clone().bool()
 
 
-class FedProtoClient(Client):
+class FedProtoClient(PersonalModelClient):
     def __init__(self, ctx: ClientContext, hp):
         super().__init__(ctx, hp)
         self.weight, self.bias = classifier_names(ctx.layers, self.trainer.export())
@@ -141,9 +141,6 @@ class FedProtoClient(Client):
             protos[idx] = msg.tensors["protos"]
             present[idx] = True
         return protos, present
-
-    def init_state(self, cid: int, init_model: State) -> State:
-        return model_to_state(init_model)
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:

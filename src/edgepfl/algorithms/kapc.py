@@ -40,14 +40,13 @@ from pydantic import Field
 
 from edgepfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
     Hyperparameters,
+    PersonalModelClient,
     Server,
     ServerContext,
     State,
     UpdateResult,
-    model_from_state,
     model_to_state,
 )
 from edgepfl.algorithms.local import fit
@@ -442,7 +441,7 @@ def coaching_hook(lam: float, targets: list[torch.Tensor], loss: str,
     return squared if loss == "squared" else plain
 
 
-class KAPCClient(Client):
+class KAPCClient(PersonalModelClient):
     """Personal model kept in state as ``model.<name>``, as ``local`` does."""
 
     bls = False
@@ -467,9 +466,6 @@ class KAPCClient(Client):
                 "bls.tau": torch.zeros(L, dtype=torch.float64),      # tau_i^l of Eq. 31 (max kept)
             })
         return state
-
-    def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return model_from_state(state)
 
     def _targets(self, msg: Message, previous: State) -> list[torch.Tensor]:
         """The coaching target per parameter: s_i where sent, else the previous weights."""

@@ -12,10 +12,10 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Client,
     Hyperparameters,
+    PersonalModelClient,
     Server,
     State,
     UpdateResult,
-    model_from_state,
     model_to_state,
 )
 from edgepfl.algorithms.training import ClientData
@@ -34,18 +34,12 @@ class LocalServer(Server):
         pass
 
 
-class LocalClient(Client):
-    def init_state(self, cid: int, init_model: State) -> State:
-        return model_to_state(init_model)
-
+class LocalClient(PersonalModelClient):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         self.trainer.load(self.personal_model(state, None))
         stats = fit(self, data, gen)
         return UpdateResult(Message(), model_to_state(self.trainer.export()), stats)
-
-    def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return model_from_state(state)
 
 
 def fit(client: Client, data: ClientData, gen: torch.Generator, **hooks) -> dict[str, float]:

@@ -22,13 +22,12 @@ from torch import nn
 
 from edgepfl.algorithms.base import (
     Algorithm,
-    Client,
     Hyperparameters,
+    PersonalModelClient,
     Server,
     ServerContext,
     State,
     UpdateResult,
-    model_from_state,
     model_to_state,
 )
 from edgepfl.algorithms.local import fit
@@ -172,19 +171,13 @@ class PFedLAServer(Server):
         self.hn_params = {k[len("hn."):]: v.clone() for k, v in state.items() if k.startswith("hn.")}
 
 
-class PFedLAClient(Client):
-    def init_state(self, cid: int, init_model: State) -> State:
-        return model_to_state(init_model)
-
+class PFedLAClient(PersonalModelClient):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         self.trainer.load(msg.tensors)
         stats = fit(self, data, gen)
         model = self.trainer.export()
         return UpdateResult(Message(model), model_to_state(model), stats)
-
-    def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return model_from_state(state)
 
 
 ALGORITHM = Algorithm(

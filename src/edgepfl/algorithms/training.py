@@ -78,9 +78,6 @@ class Trainer:
         return {n: (self.params.get(n) if n in self.params else self.buffers[n]).detach().clone()
                 for n in names}
 
-    def init_state(self) -> State:
-        return self.export()
-
     def forget(self) -> None:
         self._loaded = None
 
