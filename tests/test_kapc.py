@@ -123,8 +123,8 @@ def test_centring_the_gram_changes_the_projected_step_by_nothing(loss):
     # the gradients differ by a constant along j only ...
     delta = relation_grad(r, raw, loss) - relation_grad(r, centred, loss)
     torch.testing.assert_close(delta, delta[..., :1].expand_as(delta))
-    # ... which the projection removes
-    hp = KAPCHyperparameters(r_lr=0.05, r_epochs=3, coaching_loss=loss)
+    # ... which the projection removes (spread units are defined on the centred Gram)
+    hp = KAPCHyperparameters(r_lr=0.05, r_epochs=3, coaching_loss=loss, r_grad_scale="sum")
     torch.testing.assert_close(relation_step(r, raw, hp, n), relation_step(r, centred, hp, n))
 
 
@@ -476,7 +476,7 @@ def test_registered_with_the_papers_defaults_and_typed_choices():
     hp = get_algorithm("kapc_bls").hyperparameters()
     assert (hp.lam, hp.beta, hp.r_lr, hp.r_epochs, hp.mu) == (1.0, 0.01, 0.01, 1, 0.7)
     assert (hp.r_init, hp.coaching_loss, hp.r_grad_scale, hp.select_layers) == (
-        "uniform", "squared", "sum", True)
+        "uniform", "squared", "spread", True)
     assert all(desc for _, _, desc in get_algorithm("kapc").describe())
     assert "mu" not in get_algorithm("kapc").hyperparameters.model_fields
     from edgepfl.errors import ConfigError
@@ -486,7 +486,7 @@ def test_registered_with_the_papers_defaults_and_typed_choices():
 
 
 @pytest.mark.parametrize("overrides", [
-    ("algorithm.coaching_loss=l2",), ("algorithm.r_grad_scale=spread",),
+    ("algorithm.coaching_loss=l2",), ("algorithm.r_grad_scale=sum",),
 ])
 def test_alternative_choices_run_and_keep_relations_normalised(overrides):
     sim = _sim("algorithm.name=kapc_bls", "train.participation=0.5", *overrides)

@@ -84,11 +84,11 @@ class KAPCHyperparameters(Hyperparameters):
     coaching_loss: Literal["squared", "l2"] = Field("squared", description=(
         "f_s per layer: squared = ||s - w||^2 (the form the journal writes in Sec. 5.2 and "
         "its smoothness assumption needs), l2 = ||s - w|| (plain norm)"))
-    r_grad_scale: Literal["sum", "spread"] = Field("sum", description=(
-        "unit of f_s in the R step: sum = the paper's norm over all of a layer's parameters "
-        "(R moves faster on big layers and as clients drift apart); spread = f_s divided by "
-        "the participants' mean squared distance to their mean on that layer (scale-free: "
-        "eta_r means the same for every layer, model and round)"))
+    r_grad_scale: Literal["sum", "spread"] = Field("spread", description=(
+        "unit of f_s in the R step: spread = f_s divided by the participants' mean squared "
+        "distance to their mean on that layer (scale-free: eta_r means the same for every "
+        "layer, model and round); sum = the raw norm over all of a layer's parameters, with "
+        "which eta_r = 0.01 leaves R at its start (docs/algorithms.md)"))
 
 
 class KAPCBLSHyperparameters(KAPCHyperparameters):
