@@ -259,6 +259,22 @@ def test_fedamp_with_lamda_zero_is_local_training_and_positive_lamda_is_not():
                      "algorithm.sigma=100") != local
 
 
+def test_fedamp_defaults_do_not_switch_the_method_off():
+    # at the defaults the proximal pull (lamda / alpha_k = 1) changes training measurably
+    hp = get_algorithm("fedamp").hyperparameters()
+    assert hp.lamda / hp.alphaK >= 0.1
+    assert _training("algorithm.name=fedamp") != _training("algorithm.name=local")
+
+
+def test_fedamp_rejects_steps_that_make_self_weights_negative():
+    from edgepfl.errors import ConfigError
+
+    # 6 clients: alpha_k (N - 1) / sigma = 0.3 * 5 / 1 > 1
+    with pytest.raises(ConfigError, match=r"alphaK = 0.3 .* valid: alphaK <= sigma / \(N - 1\) = 0.2"):
+        _sim("algorithm.name=fedamp", "algorithm.alphaK=0.3")
+    _sim("algorithm.name=fedamp", "algorithm.alphaK=0.2")  # the boundary is allowed
+
+
 def test_fedamp_proximal_gradient_is_that_of_the_regularizer():
     sim = _sim("algorithm.name=fedamp", "algorithm.lamda=0.3", "algorithm.alphaK=0.1")
     hooks = []

@@ -168,3 +168,17 @@ def test_resume_reproduces_metrics(tmp_path):
     keys = ["acc_mean", "loss", "train_loss", "bytes_up", "bytes_down", "groups"]
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full]
     assert (tmp_path / "full" / "dcpfl_groups.json").exists()
+
+
+def test_nodc_ablation_keeps_the_cut_at_the_fixed_threshold():
+    sim = Simulation(fast_config(*QUICK, "train.rounds=14", "algorithm.fixed_gamma=0.5"),
+                     progress=False)
+    rows = [sim.step() for _ in range(14)]
+    server = sim.server
+    expected = cut(server.z.numpy(), server.gamma_global, 0.5, sim.num_clients)
+    assert server.labels == expected
+    assert [g for _, g, _ in server.history] == [1.0, 0.5]  # start, then the one fixed cut
+    after = [r for r in rows if r["round"] > 2]
+    assert all(r["gamma_tilde"] == 0.5 for r in after)
+    assert {r["groups"] for r in after} == {float(len(set(expected)))}
+    assert all(r.get("trial_accepted") is None or math.isnan(r["trial_accepted"]) for r in after)

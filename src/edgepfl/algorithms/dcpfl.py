@@ -63,6 +63,9 @@ class DCPFLHyperparameters(Hyperparameters):
                                             "every alpha*tau rounds (paper Sec. V: 3)")
     low_ratio: float = Field(0.1, ge=0, description="a layer is low-discrepancy below this fraction "
                                                     "of the group's mean discrepancy (Eq. 6: 0.1)")
+    fixed_gamma: float | None = Field(None, ge=0, le=1, description=(
+        "NoDC ablation (paper Sec. V-D): cut the group graph once at this gamma~ after the "
+        "warm-up and never split again (the paper uses 0.8); unset = dynamic clustering"))
 
 
 # -- Eq. 3 and Eq. 5: model discrepancy ----------------------------------------------------
@@ -344,7 +347,12 @@ class DCPFLServer(Server):
                 z, self.gamma_global = group_graph(avg)
                 self.z = torch.from_numpy(z).to(torch.float64)
                 self.built = True
-                self.labels = cut(z, self.gamma_global, 1.0, n)
+                fixed = hp.fixed_gamma is not None
+                self.gamma = hp.fixed_gamma if fixed else 1.0
+                self.labels = cut(z, self.gamma_global, self.gamma, n)
+                if fixed:
+                    self.done = True  # NoDC: this grouping is final
+                    self.history.append((rnd, self.gamma, list(self.labels)))
                 self.phase_start = rnd
                 self._classify(self.labels)
                 self.mode = NORMAL

@@ -32,15 +32,17 @@ from edgepfl.algorithms.fedprox import proximal_hook
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData
 from edgepfl.engine.messages import Message, MessageError
+from edgepfl.errors import ConfigError
 
 
 class FedAMPHyperparameters(Hyperparameters):
-    alphaK: float = Field(5e-3, gt=0, description="message-passing step alpha_k (PFLlib's "
-                          "FedAMP runs: 5e-3; see docs/algorithms.md)")
-    lamda: float = Field(5e-7, ge=0, description="regularization weight lambda; the proximal "
-                         "coefficient is lambda / alpha_k (PFLlib's FedAMP runs: 5e-7)")
-    sigma: float = Field(0.1, gt=0, description="scale of the attention function "
-                         "A(x) = 1 - exp(-x / sigma) (PFLlib's FedAMP runs: 0.1)")
+    alphaK: float = Field(0.05, gt=0, description="message-passing step alpha_k; needs "
+                          "alpha_k (N - 1) / sigma <= 1 so that self-weights stay >= 0 "
+                          "(docs/algorithms.md: why 0.05)")
+    lamda: float = Field(0.05, ge=0, description="regularization weight lambda; the client's "
+                         "proximal gradient is (lambda / alpha_k)(w - u_i), 1 x at the defaults")
+    sigma: float = Field(1.0, gt=0, description="scale of the attention function "
+                         "A(x) = 1 - exp(-x / sigma), in squared parameter distance")
 
 
 def squared_distances(flat: torch.Tensor) -> torch.Tensor:
@@ -69,6 +71,15 @@ class FedAMPServer(Server):
     def __init__(self, ctx: ServerContext, hp):
         super().__init__(ctx, hp)
         n = ctx.num_clients
+        # two identical models get weight alpha_k / sigma each: with N - 1 of them the
+        # self-weight 1 - (N - 1) alpha_k / sigma must not go negative (the paper's analysis
+        # assumes xi_ii >= 0), else u_i extrapolates away from every client
+        worst = hp.alphaK * (n - 1) / hp.sigma
+        if worst > 1:
+            raise ConfigError(
+                f"FedAMP: alphaK = {hp.alphaK} with sigma = {hp.sigma} and {n} clients gives "
+                f"self-weights down to {1 - worst:.3g}; valid: alphaK <= sigma / (N - 1) = "
+                f"{hp.sigma / max(n - 1, 1):.4g}")
         # every client's latest model, stacked; before its first upload a client's model
         # is the common initial model
         self.models: State = {k: v.unsqueeze(0).repeat(n, *([1] * v.dim())).clone()
