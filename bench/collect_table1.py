@@ -2,7 +2,7 @@
 
     python bench/collect_table1.py runs/table1 > table.md
 
-One row per (folder, algorithm): best and final mean accuracy (mean over the seeds found),
+One row per (folder, run name): best and final mean accuracy (mean ± std over the seeds found),
 final std and worst client, MB up/down, BLS layer counts where recorded, and the paper's
 Table 1 value for the same data set and alpha where it has one.
 """
@@ -37,6 +37,12 @@ def mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
+def pm(values: list[float], scale: float = 100.0) -> str:
+    """Mean over seeds, with the standard deviation across seeds when there are several."""
+    m = f"{scale * mean(values):.2f}"
+    return m + (f" ± {scale * statistics.stdev(values):.2f}" if len(values) > 1 else "")
+
+
 def column_mean(rows: list[dict], col: str) -> str:
     vals = [float(r[col]) for r in rows if r.get(col)]
     return f"{mean(vals):.2f}" if vals else "-"
@@ -52,7 +58,7 @@ def main(root: Path) -> None:
             m = re.fullmatch(r"(.+)-seed(\d+)", run.name)
             if m and (run / "summary.json").is_file():
                 runs.setdefault(m.group(1), []).append(run)
-        for algo, dirs in runs.items():
+        for label, dirs in runs.items():
             sums = [json.loads((d / "summary.json").read_text()) for d in dirs]
             cfg = json.loads((dirs[0] / "config.json").read_text())
             key = (cfg["dataset"]["name"], str(cfg["partition"]["alpha"]))
@@ -62,13 +68,13 @@ def main(root: Path) -> None:
             if rows and "layers_up_mean" in rows[0]:
                 layers = f"{column_mean(rows, 'layers_up_mean')} / " \
                          f"{column_mean(rows, 'layers_down_mean')}"
-            paper = PAPER.get(key, {}).get(algo)
-            label = algo
+            algo = cfg["algorithm"]["name"]
+            paper = PAPER.get(key, {}).get(algo)  # variants are compared with their method
             if cfg["algorithm"].get("evaluate") == "local":
                 label += " (local eval)"
             print(f"| {folder.name} | {label} | {len(sums)} | {sums[0]['rounds']} | "
-                  f"{100 * mean([s['acc_mean_best'] for s in sums]):.2f} | "
-                  f"{100 * mean([s['acc_mean_final'] for s in sums]):.2f} | "
+                  f"{pm([s['acc_mean_best'] for s in sums])} | "
+                  f"{pm([s['acc_mean_final'] for s in sums])} | "
                   f"{100 * mean([s['acc_std_final'] for s in sums]):.2f} | "
                   f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | "
                   f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | "

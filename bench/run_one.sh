@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One run of a benchmark grid: bench/run_one.sh DIR SEED SPEC [key=value ...]
-#   SPEC is an algorithm name, optionally with hyperparameters: fedprox:evaluate=local,mu=0.1
+#   SPEC is an algorithm name, optionally with settings of its own: fedprox:evaluate=local,mu=0.1
+#   sets algorithm.evaluate and algorithm.mu, fedbn:model.name=cnn2_bn a full config key
 #   (the run goes to DIR/fedprox+evaluate=local+mu=0.1-seed<SEED>); key=value are config
-#   settings for every run of the grid (dataset.name=fmnist, train.rounds=50, ...).
+#   settings for every run of the grid (dataset.name=fmnist, train.rounds=50, ...); the
+#   SPEC's own settings win over them.
 # A finished run (summary.json present) is skipped, an interrupted one resumed from its
 # checkpoint, so a grid can be stopped and restarted at will. One torch thread per run:
 # two runs side by side beat one run on two threads on the project machine.
@@ -12,11 +14,15 @@ shift 3
 algo=${spec%%:*}
 name=$algo
 sets=(--set seed="$seed" --set algorithm.name="$algo")
-if [[ "$spec" == *:* ]]; then
-  IFS=',' read -ra kvs <<< "${spec#*:}"
-  for kv in "${kvs[@]}"; do sets+=(--set "algorithm.$kv"); name+="+$kv"; done
-fi
 for kv in "$@"; do sets+=(--set "$kv"); done
+if [[ "$spec" == *:* ]]; then  # after the grid's settings, so that they win
+  IFS=',' read -ra kvs <<< "${spec#*:}"
+  for kv in "${kvs[@]}"; do
+    key=${kv%%=*}
+    if [[ "$key" == *.* ]]; then sets+=(--set "$kv"); else sets+=(--set "algorithm.$kv"); fi
+    name+="+$kv"
+  done
+fi
 run="$dir/$name-seed$seed"
 if [[ -f "$run/summary.json" ]]; then echo "done already: $run"; exit 0; fi
 if [[ -f "$run/checkpoint.safetensors" ]]; then
