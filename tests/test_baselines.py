@@ -207,6 +207,24 @@ def test_moon_keeps_the_previous_local_model_per_client():
     assert set(msg.tensors) == set(sim.trainer.state_names)
 
 
+def test_moon_local_evaluation_predicts_with_the_clients_last_trained_model():
+    sim = _sim("algorithm.name=moon", "algorithm.proj_dim=16", "algorithm.evaluate=local",
+               "train.participation=0.5")
+    _, up = _record(sim)
+    sim.step()
+    trained = dict(up)
+    init = sim.trainer.export()
+    for cid in range(sim.num_clients):
+        model = sim.client.personal_model(sim.clients.row(cid), sim.server.eval_message(cid))
+        assert set(model) == set(sim.trainer.state_names)
+        source = trained[cid].tensors if cid in trained else init  # never selected: initial
+        assert all(torch.equal(v, source[k]) for k, v in model.items()), cid
+    glob = sim.server.eval_message(0).tensors
+    some = next(iter(trained))
+    assert not torch.equal(sim.client.personal_model(sim.clients.row(some), None)["fc1.weight"],
+                           glob["fc1.weight"])
+
+
 def test_moon_defaults_are_the_papers():
     hp = get_algorithm("moon").hyperparameters()
     assert (hp.mu, hp.temperature, hp.proj_dim) == (5.0, 0.5, 256)

@@ -16,6 +16,7 @@ training is FedAvg's bit for bit (tested).
 from __future__ import annotations
 
 import copy
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,10 @@ class MOONHyperparameters(Hyperparameters):
                                "loss (MOON paper: 0.5)")
     proj_dim: int = Field(256, ge=1, description="output size of the 2-layer MLP projection "
                           "head (MOON paper: 256)")
+    evaluate: Literal["global", "local"] = Field(
+        "global", description="predict with the global model (MOON as published) or with the "
+        "client's own model after its latest local training (how the KAPC tables appear to "
+        "report it; see docs/algorithms.md)")
 
 
 def feature_dim(layers: LayerSpec, model: State) -> int:
@@ -169,6 +174,9 @@ class MOONClient(Client):
         return UpdateResult(reply, {f"prev.{k}": v for k, v in trained.items()}, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        if self.hp.evaluate == "local":
+            # the previous local model MOON keeps anyway (the initial model before round 1)
+            return {k: state[f"prev.{k}"] for k in self.model_names}
         if eval_msg is None:
             raise MessageError("MOON clients predict with the global model, but none was given")
         return eval_msg.tensors
