@@ -44,3 +44,45 @@ def test_unknown_model_and_wrong_input_size_are_clear_errors():
         build_model("nope", (1, 28, 28), 10)
     with pytest.raises(ConfigError, match="cnn2"):
         build_model("cnn2", (1, 8, 8), 10)
+
+
+def _one_client(seed: int = 0):
+    from edgepfl.algorithms.training import ClientData
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(96, 3, 28, 28, generator=g)
+    y = torch.randint(0, 10, (96,), generator=g)
+    return ClientData(x, y, torch.arange(96)), x, y
+
+
+@pytest.mark.parametrize("name", ["cnn2", "cnn2_bn"])
+def test_channels_last_skeleton_trains_the_same_model(name):
+    """The channels-last layout is a speed choice: same training, same predictions,
+    and weights leave the skeleton in the default layout."""
+    from edgepfl.algorithms.training import Trainer
+
+    torch.manual_seed(0)
+    model = build_model(name, (3, 28, 28), 10)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    data, x, y = _one_client()
+    results = {}
+    for fast in (False, True):
+        trainer = Trainer(build_model(name, (3, 28, 28), 10), channels_last=fast)
+        trainer.load(init)
+        trainer.fit(data, epochs=2, batch_size=32, lr=0.05,
+                    gen=torch.Generator().manual_seed(1))
+        state = trainer.export()
+        assert all(t.is_contiguous() for t in state.values())
+        results[fast] = (state, trainer.evaluate(state, x, y))
+    conv = [p for p in results[True][0] if p.endswith("weight") and results[True][0][p].dim() == 4]
+    assert conv, "the test needs a convolutional model"
+    for k, v in results[False][0].items():
+        torch.testing.assert_close(results[True][0][k], v, rtol=1e-4, atol=1e-5)
+    assert results[True][1][0] == results[False][1][0]
+
+
+def test_trainer_uses_channels_last_for_conv_models_only():
+    from edgepfl.algorithms.training import Trainer
+
+    assert Trainer(build_model("cnn2", (1, 28, 28), 10)).channels_last
+    assert not Trainer(build_model("mlp", (1, 28, 28), 10)).channels_last
