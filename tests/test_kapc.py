@@ -17,6 +17,7 @@ from edgepfl.algorithms.kapc import (
     project_simplex,
     relation_grad,
     relation_step,
+    relation_step_sizes,
     search_omega,
 )
 from edgepfl.config import TrainConfig
@@ -476,7 +477,7 @@ def test_registered_with_the_papers_defaults_and_typed_choices():
     hp = get_algorithm("kapc_bls").hyperparameters()
     assert (hp.lam, hp.beta, hp.r_lr, hp.r_epochs, hp.mu) == (1.0, 0.01, 0.01, 1, 0.7)
     assert (hp.r_init, hp.coaching_loss, hp.r_grad_scale, hp.select_layers) == (
-        "uniform", "squared", "spread", True)
+        "uniform", "squared", "precondition", True)
     assert all(desc for _, _, desc in get_algorithm("kapc").describe())
     assert "mu" not in get_algorithm("kapc").hyperparameters.model_fields
     from edgepfl.errors import ConfigError
@@ -487,6 +488,8 @@ def test_registered_with_the_papers_defaults_and_typed_choices():
 
 @pytest.mark.parametrize("overrides", [
     ("algorithm.coaching_loss=l2",), ("algorithm.r_grad_scale=sum",),
+    ("algorithm.r_grad_scale=spread",),
+    ("algorithm.r_grad_scale=precondition", "algorithm.coaching_loss=l2"),
 ])
 def test_alternative_choices_run_and_keep_relations_normalised(overrides):
     sim = _sim("algorithm.name=kapc_bls", "train.participation=0.5", *overrides)
@@ -496,13 +499,71 @@ def test_alternative_choices_run_and_keep_relations_normalised(overrides):
                                                                   dtype=torch.float64))
 
 
-def test_spread_scale_moves_relations_by_eta_r_sized_steps():
+@pytest.mark.parametrize("how", ["spread", "precondition"])
+def test_scaled_steps_move_relations_by_eta_r_sized_steps(how):
     # in spread units the self-relation gradient is O(1): one step of eta_r = 0.01 moves
     # r_ii by about 0.01, whatever the raw size of the parameters
     for scale in (1.0, 1000.0):
-        server = _server(num_clients=4, r_grad_scale="spread", r_lr=0.01)
+        server = _server(num_clients=4, r_grad_scale=how, r_lr=0.01)
         for p in server.W:
             server.W[p] *= scale
         server.configure(1, [0, 1, 2, 3])
         moved = (torch.diagonal(server.R, dim1=0, dim2=2) - 0.25).abs().max()
         assert 1e-3 < float(moved) < 0.05, scale
+
+
+def _layers_gram(spreads, n=6, P=40, seed=0):
+    """Centred Gram matrices of n clients' layers whose spreads differ by layer."""
+    g = torch.Generator().manual_seed(seed)
+    grams = []
+    for size in spreads:
+        X = torch.randn(n, P, generator=g, dtype=torch.float64) * math.sqrt(size / P)
+        grams.append(layer_gram([X]))
+    return torch.stack(grams)
+
+
+def _raw_step(r, gram, hp, n):
+    return relation_step(r, gram, hp.model_copy(update={"r_grad_scale": "sum", "r_epochs": 1}), n)
+
+
+def test_preconditioned_steps_reach_the_minimiser_of_the_papers_objective():
+    # a different step size per layer, the same objective: where the preconditioned
+    # iteration settles, the paper's raw projected gradient step (Eq. 12) does not move
+    n = 6
+    gram = _layers_gram([1e-3, 0.05, 2.0], n=n)
+    hp = KAPCHyperparameters(r_grad_scale="precondition", r_epochs=3000)
+    r = relation_step(torch.full((n, 3, n), 1.0 / n, dtype=torch.float64), gram, hp, n)
+    torch.testing.assert_close(_raw_step(r, gram, hp, n), r, atol=1e-9, rtol=0)
+    # the "spread" choice changes the objective: its fixed point is not the paper's
+    s = relation_step(torch.full((n, 3, n), 1.0 / n, dtype=torch.float64), gram,
+                      hp.model_copy(update={"r_grad_scale": "spread"}), n)
+    assert float((_raw_step(s, gram, hp, n) - s).abs().max()) > 1e-6
+
+
+def test_layers_with_a_larger_spread_between_clients_become_more_personal():
+    # the paper's Fig. 7: layers whose clients differ little are shared, layers that
+    # differ much lean on the client itself; beta/2 against lambda * spread decides
+    n = 6
+    gram = _layers_gram([1e-4, 1e-2, 1.0], n=n)
+    hp = KAPCHyperparameters(r_grad_scale="precondition", r_epochs=500)
+    r = relation_step(torch.full((n, 3, n), 1.0 / n, dtype=torch.float64), gram, hp, n)
+    self_rel = torch.diagonal(r, dim1=0, dim2=2).mean(-1)  # per layer
+    assert float(self_rel[0]) < 0.25 < 0.5 < float(self_rel[2])
+    assert float(self_rel[0]) < float(self_rel[1]) < float(self_rel[2])
+
+
+def test_preconditioned_step_is_stable_when_clients_nearly_agree():
+    # a tiny spread would make eta_r / spread huge; the Lipschitz cap keeps every step a
+    # contraction towards the minimiser instead of a bounce between simplex corners
+    n = 5
+    gram = _layers_gram([1e-12], n=n)
+    hp = KAPCHyperparameters(r_grad_scale="precondition", r_epochs=1)
+    steps = relation_step_sizes(gram, hp)
+    assert float(steps[0]) * (2 * hp.lam * float(torch.linalg.eigvalsh(gram[0])[-1]) + hp.beta) <= 1
+    r = _random_simplex(n, 1, n, seed=3)
+    dist = [float((r - 1.0 / n).norm())]
+    for _ in range(20):
+        r = relation_step(r, gram, hp, n)
+        dist.append(float((r - 1.0 / n).norm()))
+    assert all(b <= a + 1e-12 for a, b in zip(dist, dist[1:], strict=False))
+    assert dist[-1] < dist[0]

@@ -84,11 +84,13 @@ class KAPCHyperparameters(Hyperparameters):
     coaching_loss: Literal["squared", "l2"] = Field("squared", description=(
         "f_s per layer: squared = ||s - w||^2 (the form the journal writes in Sec. 5.2 and "
         "its smoothness assumption needs), l2 = ||s - w|| (plain norm)"))
-    r_grad_scale: Literal["sum", "spread"] = Field("spread", description=(
-        "unit of f_s in the R step: spread = f_s divided by the participants' mean squared "
-        "distance to their mean on that layer (scale-free: eta_r means the same for every "
-        "layer, model and round); sum = the raw norm over all of a layer's parameters, with "
-        "which eta_r = 0.01 leaves R at its start (docs/algorithms.md)"))
+    r_grad_scale: Literal["precondition", "sum", "spread"] = Field("precondition", description=(
+        "how the R step is sized: precondition = eta_r divided per layer by the "
+        "participants' spread (mean squared distance to their mean), capped for stability: "
+        "the minimiser of Eq. 11 is unchanged, R reaches it within the paper's rounds; "
+        "sum = eta_r on the raw gradient (the paper's literal step, with which R hardly "
+        "leaves its start); spread = f_s alone in spread units (changes the minimiser "
+        "towards self-relations; the earlier default) (docs/algorithms.md)"))
 
 
 class KAPCBLSHyperparameters(KAPCHyperparameters):
@@ -180,25 +182,55 @@ def init_relations(kind: str, num_clients: int, num_layers: int, seed: int) -> t
     raise ValueError(f"unknown relation init {kind!r}")
 
 
+def layer_spread(gram: torch.Tensor) -> torch.Tensor:
+    """[L] mean squared distance of the participants' layer to their mean: trace(G_c) / n."""
+    return torch.diagonal(gram, dim1=1, dim2=2).sum(-1) / gram.shape[-1]
+
+
+def relation_step_sizes(gram: torch.Tensor, hp: KAPCHyperparameters) -> torch.Tensor:
+    """[L] step size per layer for ``r_grad_scale=precondition``.
+
+    eta_r divided by the layer's spread (its square root for the plain norm), so that a
+    relation moves by the order of eta_r per step whatever the raw size of the layer's
+    parameter differences; capped at the inverse of the gradient's Lipschitz constant,
+    2 lambda lambda_max(G) + beta <= 2 lambda trace(G) + beta, so that a layer whose clients
+    are nearly identical (tiny spread) cannot overshoot and oscillate. Both terms of Eq. 11
+    are scaled alike, so the minimiser, the paper's balance of lambda against beta, is
+    the one of the raw step; only the speed of reaching it changes.
+    """
+    spread = layer_spread(gram)
+    unit = spread if hp.coaching_loss == "squared" else spread.sqrt()
+    step = hp.r_lr / torch.where(unit > 0, unit, torch.ones_like(unit))
+    if hp.coaching_loss == "squared":
+        lipschitz = 2 * hp.lam * spread * gram.shape[-1] + hp.beta
+    else:  # the plain norm's gradient has no Lipschitz constant at s = w; bound the beta part
+        lipschitz = torch.full_like(spread, hp.beta)
+    cap = torch.where(lipschitz > 0, 1.0 / lipschitz.clamp_min(1e-300),
+                      torch.full_like(lipschitz, math.inf))
+    return torch.minimum(step, cap)
+
+
 def relation_step(r: torch.Tensor, gram: torch.Tensor, hp: KAPCHyperparameters,
                   num_clients: int) -> torch.Tensor:
     """E_r projected gradient steps of Eq. 12 / Eq. 32 on relation vectors ``r`` [n, L, n].
 
     ``gram`` is the participants' centred Gram per layer (see ``layer_gram``).
     """
-    if hp.r_grad_scale == "spread":
-        # mean squared distance of the participants' layer to their mean = trace(G_c) / n;
-        # f_s in those units (its square root for the plain norm) is dimensionless
-        spread = torch.diagonal(gram, dim1=1, dim2=2).sum(-1) / gram.shape[-1]
+    step = torch.full((1, gram.shape[0], 1), hp.r_lr, dtype=torch.float64)
+    coach_unit = torch.ones_like(step)
+    if hp.r_grad_scale == "precondition":
+        step = relation_step_sizes(gram, hp).view(1, -1, 1)
+    elif hp.r_grad_scale == "spread":
+        # f_s measured in spread units: dimensionless, but beta keeps its raw size, so the
+        # minimiser moves towards self-relations (docs/algorithms.md)
+        spread = layer_spread(gram)
         unit = spread if hp.coaching_loss == "squared" else spread.sqrt()
-        unit = torch.where(unit > 0, unit, torch.ones_like(unit)).view(1, -1, 1)
+        coach_unit = torch.where(unit > 0, unit, torch.ones_like(unit)).view(1, -1, 1)
     for _ in range(hp.r_epochs):
-        grad = relation_grad(r, gram, hp.coaching_loss)
-        if hp.r_grad_scale == "spread":
-            grad = grad / unit
+        grad = relation_grad(r, gram, hp.coaching_loss) / coach_unit
         # the target 1/N (Eq. 32 keeps N, not the slice size) only shifts all entries of a
         # relation vector alike, which the projection removes: 1/N or 1/n give the same step
-        r = project_simplex(r - hp.r_lr * (hp.lam * grad + hp.beta * (r - 1.0 / num_clients)))
+        r = project_simplex(r - step * (hp.lam * grad + hp.beta * (r - 1.0 / num_clients)))
     return r
 
 
@@ -331,7 +363,9 @@ class KAPCServer(Server):
         for cid in clients:
             tensors = messages.get(cid, {})
             sent.append(sum(all(p in tensors for p in params) for params in self.layer_params))
-        self._metrics = {"layers_down_mean": float(sum(sent)) / max(len(sent), 1)}
+        self._metrics = {"layers_down_mean": float(sum(sent)) / max(len(sent), 1),
+                         # how far R has moved from sharing (1/N) towards self (1), Fig. 7
+                         "relation_self_mean": float(torch.diagonal(self.R, dim1=0, dim2=2).mean())}
         return {cid: Message(messages.get(cid, {})) for cid in clients}
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
