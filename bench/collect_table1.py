@@ -50,8 +50,8 @@ def column_mean(rows: list[dict], col: str) -> str:
 
 def main(root: Path) -> None:
     print("| runs | algorithm | seeds | rounds | best mean acc | final mean acc | final std | "
-          "final worst | MB up | MB down | layers up / down | paper (best) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "final worst | MB up | MB down | layers up / down | paper (best) | ours - paper |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         runs: dict[str, list[Path]] = {}
         for run in sorted(folder.iterdir()):
@@ -72,6 +72,7 @@ def main(root: Path) -> None:
             paper = PAPER.get(key, {}).get(algo)  # variants are compared with their method
             if cfg["algorithm"].get("evaluate") == "local":
                 label += " (local eval)"
+            best = 100 * mean([s["acc_mean_best"] for s in sums])
             print(f"| {folder.name} | {label} | {len(sums)} | {sums[0]['rounds']} | "
                   f"{pm([s['acc_mean_best'] for s in sums])} | "
                   f"{pm([s['acc_mean_final'] for s in sums])} | "
@@ -79,7 +80,8 @@ def main(root: Path) -> None:
                   f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | "
                   f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | "
                   f"{mean([s['bytes_down_total'] for s in sums]) / 1e6:.1f} | {layers} | "
-                  f"{'' if paper is None else f'{paper:.2f}'} |")
+                  f"{'' if paper is None else f'{paper:.2f}'} | "
+                  f"{'' if paper is None else f'{best - paper:+.2f}'} |")
 
 
 if __name__ == "__main__":

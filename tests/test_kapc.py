@@ -567,3 +567,16 @@ def test_preconditioned_step_is_stable_when_clients_nearly_agree():
         dist.append(float((r - 1.0 / n).norm()))
     assert all(b <= a + 1e-12 for a, b in zip(dist, dist[1:], strict=False))
     assert dist[-1] < dist[0]
+
+
+def test_server_state_of_another_shape_is_refused_on_load():
+    server = _server(num_clients=4)
+    state = {k: v.clone() for k, v in server.state_dict().items()}
+    name = next(k for k in state if k.startswith("W."))
+    bad = dict(state, **{name: state[name][:3]})
+    with pytest.raises(ValueError, match=name):
+        server.load_state_dict(bad)
+    with pytest.raises(ValueError, match="relation cube"):
+        server.load_state_dict(dict(state, R=state["R"][:3]))
+    server.load_state_dict(state)  # its own state loads
+    torch.testing.assert_close(server.R, state["R"])

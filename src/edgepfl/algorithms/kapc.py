@@ -411,6 +411,11 @@ class KAPCServer(Server):
         if state["R"].shape != self.R.shape:
             raise ValueError(f"relation cube of shape {tuple(state['R'].shape)}, "
                              f"expected {tuple(self.R.shape)}")
+        for p, current in self.W.items():
+            stored = state[f"W.{p}"]
+            if stored.shape != current.shape or stored.dtype != current.dtype:
+                raise ValueError(f"stored uploads W.{p} are {stored.dtype} {tuple(stored.shape)}, "
+                                 f"expected {current.dtype} {tuple(current.shape)}")
         self.R = state["R"].clone().to(torch.float64)
         self.W = {p: state[f"W.{p}"].clone() for p in self.W}
 
