@@ -136,10 +136,23 @@ def test_gram_is_chunked_without_changing_it(monkeypatch):
     stacks = [torch.randn(4, 5, 3, generator=g), torch.randn(4, 2, generator=g)]
     whole = layer_gram(stacks)
     monkeypatch.setattr(kapc, "_GRAM_CHUNK", 8)  # 2 columns per chunk
-    torch.testing.assert_close(layer_gram(stacks), whole)
+    torch.testing.assert_close(layer_gram(stacks), whole, rtol=1e-5, atol=1e-6)
     x = torch.cat([s.reshape(4, -1) for s in stacks], 1).double()
     x = x - x.mean(0)
-    torch.testing.assert_close(whole, x @ x.T)
+    torch.testing.assert_close(whole, x @ x.T, rtol=1e-5, atol=1e-6)
+    exact = [s.double() for s in stacks]
+    torch.testing.assert_close(layer_gram(exact), x @ x.T)  # float64 in, float64 exact
+
+
+def test_gram_of_float32_models_keeps_the_small_differences_between_clients():
+    # large common weights, tiny client differences: the case where float32 products of
+    # the raw weights would cancel to noise
+    g = torch.Generator().manual_seed(3)
+    common = 50.0 * torch.randn(1, 200_000, generator=g, dtype=torch.float64)
+    diff = 1e-3 * torch.randn(6, 200_000, generator=g, dtype=torch.float64)
+    x = (common + diff).float()
+    ref = x.double() - x.double().mean(0)
+    torch.testing.assert_close(layer_gram([x]), ref @ ref.T, rtol=1e-4, atol=1e-4 * float((ref @ ref.T).abs().max()))
 
 
 @pytest.mark.parametrize("participation", [1.0, 0.5])
