@@ -1,6 +1,11 @@
 """Collect Table 1 runs (bench/kapc_table1.sh, edgepfl compare) into one markdown table.
 
     python bench/collect_table1.py runs/table1 > table.md
+    python bench/collect_table1.py bench/results/table1 runs/table1 > table.md
+
+Several roots are merged by grid folder name: runs kept from earlier sessions
+(bench/keep_results.py) and new ones are collected together; a run present in more than
+one root is taken from the first.
 
 One row per (folder, run name): best and final mean accuracy (mean ± std over the seeds found),
 final std and worst client, MB up/down, BLS layer counts where recorded, and the paper's
@@ -48,15 +53,22 @@ def column_mean(rows: list[dict], col: str) -> str:
     return f"{mean(vals):.2f}" if vals else "-"
 
 
-def main(root: Path) -> None:
+def main(roots: list[Path]) -> None:
     print("| runs | algorithm | seeds | rounds | best mean acc | final mean acc | final std | "
           "final worst | MB up | MB down | layers up / down | paper (best) | ours - paper |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+    grids: dict[str, dict[str, Path]] = {}
+    for root in roots:
+        for folder in (p for p in root.iterdir() if p.is_dir()):
+            found = grids.setdefault(folder.name, {})
+            for run in folder.iterdir():
+                if (run / "summary.json").is_file():
+                    found.setdefault(run.name, run)
+    for name in sorted(grids):
         runs: dict[str, list[Path]] = {}
-        for run in sorted(folder.iterdir()):
-            m = re.fullmatch(r"(.+)-seed(\d+)", run.name)
-            if m and (run / "summary.json").is_file():
+        for run_name, run in sorted(grids[name].items()):
+            m = re.fullmatch(r"(.+)-seed(\d+)", run_name)
+            if m:
                 runs.setdefault(m.group(1), []).append(run)
         for label, dirs in runs.items():
             sums = [json.loads((d / "summary.json").read_text()) for d in dirs]
@@ -70,10 +82,12 @@ def main(root: Path) -> None:
                          f"{column_mean(rows, 'layers_down_mean')}"
             algo = cfg["algorithm"]["name"]
             paper = PAPER.get(key, {}).get(algo)  # variants are compared with their method
+            if (cfg["partition"]["clients"], cfg["dataset"]["fraction"]) != (10, 0.1):
+                paper = None  # Table 1 is the 10-client, 10%-of-the-data scenario only
             if cfg["algorithm"].get("evaluate") == "local":
                 label += " (local eval)"
             best = 100 * mean([s["acc_mean_best"] for s in sums])
-            print(f"| {folder.name} | {label} | {len(sums)} | {sums[0]['rounds']} | "
+            print(f"| {name} | {label} | {len(sums)} | {sums[0]['rounds']} | "
                   f"{pm([s['acc_mean_best'] for s in sums])} | "
                   f"{pm([s['acc_mean_final'] for s in sums])} | "
                   f"{100 * mean([s['acc_std_final'] for s in sums]):.2f} | "
@@ -85,4 +99,4 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/table1"))
+    main([Path(a) for a in sys.argv[1:]] or [Path("runs/table1")])
