@@ -466,6 +466,34 @@ def test_pfedla_hypernetwork_steps_in_the_descent_direction():
     assert (server.alpha(0)[:, 2] > weight_before).all()
 
 
+def test_pfedla_hypernetwork_learns_from_trainable_parameters_only():
+    """BatchNorm running statistics are combined with the layer weights too, but a change
+    in them alone must not move the hypernetwork."""
+    from edgepfl.algorithms.base import ServerContext
+    from edgepfl.algorithms.pfedla import PFedLAHyperparameters, PFedLAServer
+    from edgepfl.config import TrainConfig
+    from edgepfl.models import LayerSpec
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    init = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    server = PFedLAServer(ServerContext(3, LayerSpec.from_model(net), init, TrainConfig(), 0),
+                          PFedLAHyperparameters(hn_lr=0.5, embedding_dim=8, hidden_dim=16))
+    g = torch.Generator().manual_seed(1)
+    for stack in server.models.values():
+        if stack.is_floating_point():
+            stack.copy_(torch.randn(stack.shape, generator=g))
+    before = {k: v.clone() for k, v in server.hn_params.items()}
+    bar = server.aggregate_for(0, server.alpha(0))
+    stats = {k for k in bar if "running" in k}
+    assert stats, "the model needs BatchNorm statistics for this test"
+    server.update_hypernetwork(0, {k: (torch.ones_like(v) if k in stats else torch.zeros_like(v))
+                                   for k, v in bar.items()})
+    for k, v in server.hn_params.items():
+        torch.testing.assert_close(v, before[k])
+    server.update_hypernetwork(0, {k: torch.ones_like(v) for k, v in bar.items()})
+    assert any(not torch.equal(v, before[k]) for k, v in server.hn_params.items())
+
+
 def test_pfedla_stores_the_trained_models_and_sends_full_models():
     sim = _sim("algorithm.name=pfedla")
     down, up = _record(sim)

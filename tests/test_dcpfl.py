@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from edgepfl.algorithms import ALGORITHMS
@@ -92,7 +93,20 @@ def test_radius_of_curvature_detector():
     assert not any(rdp_ended(line[:k], 5, 3) for k in range(1, 61))
     assert not any(rdp_ended(curve[:k], 5, 3) for k in range(1, knee - 5))
     r = radius_of_curvature(curve, 5)
-    assert all(math.isnan(x) for x in r[:7]) and not math.isnan(r[7])
+    assert all(math.isnan(x) for x in r[:6]) and not math.isnan(r[6])
+
+
+def test_smoothing_window_cancels_a_loss_pattern_of_its_own_period():
+    # the loss a client reports jumps each time it receives a fresh aggregate (every tau
+    # rounds); with the window as long as that period the jump must not reach l' and l'',
+    # so r(t) follows the smooth decay underneath instead of the aggregation rhythm
+    t = np.arange(1, 61)
+    decay = 2.0 * np.exp(-t / 15.0)
+    jumpy = list(decay + 0.5 * (t % 5 == 0))
+    r_smooth = radius_of_curvature(list(decay), 5)
+    r_jumpy = radius_of_curvature(jumpy, 5)
+    for a, b in zip(r_smooth, r_jumpy, strict=True):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6)
 
 
 def test_eq6_and_schedule():
@@ -182,3 +196,30 @@ def test_nodc_ablation_keeps_the_cut_at_the_fixed_threshold():
     assert all(r["gamma_tilde"] == 0.5 for r in after)
     assert {r["groups"] for r in after} == {float(len(set(expected)))}
     assert all(r.get("trial_accepted") is None or math.isnan(r["trial_accepted"]) for r in after)
+
+
+def test_trial_reaches_clients_whose_group_missed_the_sync_round():
+    # with partial participation a group may have no member in the sync round; its
+    # members must still get both an old (M0) and a proposed (M1) model in the trial
+    from edgepfl.algorithms.dcpfl import SYNC, TRIAL
+
+    sim = Simulation(fast_config(*QUICK, "train.rounds=4"), progress=False)
+    server, n = sim.server, sim.num_clients
+    server.built = True
+    server.labels = [0] * (n // 2) + [1] * (n - n // 2)
+    server.proposal = list(range(n))
+    server.mode = SYNC
+    init = {k: v.clone() for k, v in server.group.row(0).items()}
+    every_layer = list(range(len(sim.layers)))
+    replies = {c: Message({k: v + 1.0 for k, v in init.items()},
+                          {"num_samples": 10, "loss": 1.0, "up": every_layer})
+               for c in range(n // 2)}  # group 1 sends nothing
+    server.aggregate(5, replies)
+    assert server.mode == TRIAL
+    expected = {f"m{m}.{k}" for m in (0, 1) for k in server.names}
+    for cid, msg in server.configure(6, list(range(n))).items():
+        assert set(msg.tensors) == expected, cid
+        if cid >= n // 2:  # no fresh model: both are its current group model
+            for k in server.names:
+                torch.testing.assert_close(msg.tensors[f"m0.{k}"], init[k])
+                torch.testing.assert_close(msg.tensors[f"m1.{k}"], init[k])

@@ -145,16 +145,20 @@ def refines(fine: list[int], coarse: list[int]) -> bool:
 def radius_of_curvature(losses: list[float], s: int) -> list[float]:
     """r(t) of Eq. 4 for each round of ``losses`` (nan where undefined).
 
-    l_w(t) = 1/s * sum_{t'=max(1,t-s)}^{t} l(t') (the paper's window, 1-based), l'(t) = l_w(t)
-    - l_w(t-1), l''(t) = l'(t) - l'(t-1). r(t) is only defined once all three windows it
-    uses are full (t >= s + 3), so the ramp of a filling window is not mistaken for a bend;
-    where l'' <= 0 the curve does not bend towards flattening and r is +inf.
+    l_w(t) = mean of l(t') over the window t' = t-s+1..t (a window "of length s", its
+    factor 1/s; the LaTeX lower limit max(1, t-s) would put s + 1 terms over s), l'(t) =
+    l_w(t) - l_w(t-1), l''(t) = l'(t) - l'(t-1). An s-round window also cancels a loss
+    pattern that repeats every s rounds, such as the jump after each aggregation when
+    tau = s (the paper's 5 and 5), which an (s+1)-round window passes into l' and l''.
+    r(t) is only defined once all three windows it uses are full (t >= s + 2), so the ramp
+    of a filling window is not mistaken for a bend; where l'' <= 0 the curve does not bend
+    towards flattening and r is +inf.
     """
     n = len(losses)
-    lw = [sum(losses[max(1, t - s) - 1:t]) / s for t in range(1, n + 1)]
+    lw = [sum(losses[max(0, t - s):t]) / s for t in range(1, n + 1)]
     out = []
     for t in range(1, n + 1):
-        if t < s + 3:
+        if t < s + 2:
             out.append(math.nan)
             continue
         d1 = lw[t - 1] - lw[t - 2]
@@ -359,6 +363,12 @@ class DCPFLServer(Server):
         elif mode == SYNC:
             # fresh full weights: the old (M0) and proposed (M1) group models of the trial
             full = {c: list(self.names) for c in range(n)}
+            # a group with no member in this round has no fresh model: its members compare
+            # their current group model (not a missing or an earlier trial's one)
+            for c in range(n):
+                current = self.group.row(c)
+                self.trial0.set_row(c, current)
+                self.trial1.set_row(c, current)
             self._aggregate_groups(self.labels, replies, full, self.trial0)
             self._aggregate_groups(self.proposal, replies, full, self.trial1)
             self.mode = TRIAL

@@ -128,7 +128,10 @@ class PFedLAServer(Server):
         self._load(cid)
         params = list(self.hn.parameters())
         bar = self.aggregate_for(cid, self.hn(cid))
-        names = [n for n in delta if bar[n].requires_grad]
+        # trainable parameters only: BatchNorm running statistics are mixed with the same
+        # weights but are not what the hypernetwork is trained to aggregate well
+        trainable = set(self.ctx.layers.param_names)
+        names = [n for n in delta if bar[n].requires_grad and n in trainable]
         # the vector-Jacobian product as the gradient of <bar theta, -delta> (backward()
         # rather than autograd.grad: the engine's FLOP counter hooks support only the former)
         for p in params:
