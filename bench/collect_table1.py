@@ -75,8 +75,10 @@ def main(roots: list[Path]) -> None:
             cfg = json.loads((dirs[0] / "config.json").read_text())
             key = (cfg["dataset"]["name"], str(cfg["partition"]["alpha"]))
             layers = ""
-            with open(dirs[0] / "metrics.csv") as f:
-                rows = list(csv.DictReader(f))
+            rows = []  # every seed's rounds: the layer counts are a mean over all of them
+            for d in dirs:
+                with open(d / "metrics.csv") as f:
+                    rows += list(csv.DictReader(f))
             if rows and "layers_up_mean" in rows[0]:
                 layers = f"{column_mean(rows, 'layers_up_mean')} / " \
                          f"{column_mean(rows, 'layers_down_mean')}"
@@ -84,7 +86,7 @@ def main(roots: list[Path]) -> None:
             paper = PAPER.get(key, {}).get(algo)  # variants are compared with their method
             if (cfg["partition"]["clients"], cfg["dataset"]["fraction"]) != (10, 0.1):
                 paper = None  # Table 1 is the 10-client, 10%-of-the-data scenario only
-            if cfg["algorithm"].get("evaluate") == "local":
+            if cfg["algorithm"].get("evaluate") == "local" and "evaluate=local" not in label:
                 label += " (local eval)"
             best = 100 * mean([s["acc_mean_best"] for s in sums])
             print(f"| {name} | {label} | {len(sums)} | {sums[0]['rounds']} | "

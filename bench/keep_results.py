@@ -3,8 +3,8 @@
     python bench/keep_results.py runs/table1 bench/results/table1
 
 Run folders (``<grid>/<run>/`` with a summary.json) keep config.json, summary.json,
-metrics.csv, partition.json and system.json, plus relation_cube.safetensors where a KAPC
-run wrote one; checkpoints and plots stay behind. A session's finished runs are thereby
+metrics.csv, partition.json and system.json, plus relation_cube.safetensors and the relation heatmap
+where a KAPC run wrote them; checkpoints and other plots stay behind. A session's finished runs are thereby
 kept for the next, which adds seeds or settings and collects everything together:
 ``python bench/collect_table1.py bench/results/table1 runs/table1``. Unfinished runs are
 skipped; a run already kept is overwritten only by a finished one.
@@ -28,7 +28,7 @@ def keep(src_root: Path, dst_root: Path) -> int:
         tmp = dst.with_name(dst.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for name in KEEP:
+        for name in KEEP + tuple(p.name for p in run.glob("relation_client*.png")):
             if (run / name).is_file():
                 shutil.copy2(run / name, tmp / name)
         shutil.rmtree(dst, ignore_errors=True)
