@@ -1,13 +1,15 @@
-"""Copy the small result files of finished benchmark runs into the repository.
+"""Copy the small text result files of finished benchmark runs into the repository.
 
     python bench/keep_results.py runs/table1 bench/results/table1
 
 Run folders (``<grid>/<run>/`` with a summary.json) keep config.json, summary.json,
-metrics.csv, partition.json and system.json, plus relation_cube.safetensors and the relation heatmap
-where a KAPC run wrote them; checkpoints and other plots stay behind. A session's finished runs are thereby
-kept for the next, which adds seeds or settings and collects everything together:
+metrics.csv, partition.json and system.json. A KAPC run's relation cube is kept as text:
+relation_self.json holds each layer's self-relation per client and its mean over clients
+(the quantity of the paper's Fig. 7); checkpoints, tensors and plots stay behind. A
+session's finished runs are thereby kept for the next, which adds seeds or settings and
+collects everything together:
 ``python bench/collect_table1.py bench/results/table1 runs/table1``. Unfinished runs are
-skipped; a run already kept is overwritten only by a finished one.
+skipped; a kept run is replaced whole, never half-copied.
 """
 
 from __future__ import annotations
@@ -16,8 +18,21 @@ import shutil
 import sys
 from pathlib import Path
 
-KEEP = ("config.json", "summary.json", "metrics.csv", "partition.json", "system.json",
-        "relation_cube.safetensors")
+import torch
+
+from edgepfl.engine.io import read_tensors, write_json
+
+KEEP = ("config.json", "summary.json", "metrics.csv", "partition.json", "system.json")
+
+
+def relation_summary(cube_file: Path) -> dict:
+    """Per layer: r_ii^l of every client i and their mean, from relation_cube.safetensors."""
+    tensors, meta = read_tensors(cube_file)
+    self_rel = torch.diagonal(tensors["R"], dim1=0, dim2=2)  # [L, N]
+    layers = meta.get("layers") or [str(i) for i in range(self_rel.shape[0])]
+    return {"layers": layers,
+            "self_relation_mean": [round(float(v), 6) for v in self_rel.mean(-1)],
+            "self_relation": [[round(float(v), 6) for v in row] for row in self_rel]}
 
 
 def keep(src_root: Path, dst_root: Path) -> int:
@@ -28,11 +43,13 @@ def keep(src_root: Path, dst_root: Path) -> int:
         tmp = dst.with_name(dst.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for name in KEEP + tuple(p.name for p in run.glob("relation_client*.png")):
+        for name in KEEP:
             if (run / name).is_file():
                 shutil.copy2(run / name, tmp / name)
+        if (run / "relation_cube.safetensors").is_file():
+            write_json(tmp / "relation_self.json", relation_summary(run / "relation_cube.safetensors"))
         shutil.rmtree(dst, ignore_errors=True)
-        tmp.rename(dst)  # a kept run is whole or absent, never half-copied
+        tmp.rename(dst)
         kept += 1
     return kept
 
