@@ -197,6 +197,14 @@ def layer_spread(gram: torch.Tensor) -> torch.Tensor:
     return torch.diagonal(gram, dim1=1, dim2=2).sum(-1) / gram.shape[-1]
 
 
+def coaching_unit(gram: torch.Tensor, loss: str) -> torch.Tensor:
+    """[L] size of f_s per layer: the spread for the squared loss, its root for the plain
+    norm; a zero spread (all participants equal, e.g. round 1) counts as 1."""
+    spread = layer_spread(gram)
+    unit = spread if loss == "squared" else spread.sqrt()
+    return torch.where(unit > 0, unit, torch.ones_like(unit))
+
+
 def relation_step_sizes(gram: torch.Tensor, hp: KAPCHyperparameters) -> torch.Tensor:
     """[L] step size per layer for ``r_grad_scale=precondition``.
 
@@ -209,8 +217,7 @@ def relation_step_sizes(gram: torch.Tensor, hp: KAPCHyperparameters) -> torch.Te
     the one of the raw step; only the speed of reaching it changes.
     """
     spread = layer_spread(gram)
-    unit = spread if hp.coaching_loss == "squared" else spread.sqrt()
-    step = hp.r_lr / torch.where(unit > 0, unit, torch.ones_like(unit))
+    step = hp.r_lr / coaching_unit(gram, hp.coaching_loss)
     if hp.coaching_loss == "squared":
         lipschitz = 2 * hp.lam * spread * gram.shape[-1] + hp.beta
     else:  # the plain norm's gradient has no Lipschitz constant at s = w; bound the beta part
@@ -233,9 +240,7 @@ def relation_step(r: torch.Tensor, gram: torch.Tensor, hp: KAPCHyperparameters,
     elif hp.r_grad_scale == "spread":
         # f_s measured in spread units: dimensionless, but beta keeps its raw size, so the
         # minimiser moves towards self-relations (docs/algorithms.md)
-        spread = layer_spread(gram)
-        unit = spread if hp.coaching_loss == "squared" else spread.sqrt()
-        coach_unit = torch.where(unit > 0, unit, torch.ones_like(unit)).view(1, -1, 1)
+        coach_unit = coaching_unit(gram, hp.coaching_loss).view(1, -1, 1)
     for _ in range(hp.r_epochs):
         grad = relation_grad(r, gram, hp.coaching_loss) / coach_unit
         # the target 1/N (Eq. 32 keeps N, not the slice size) only shifts all entries of a
