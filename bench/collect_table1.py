@@ -3,9 +3,8 @@
     python bench/collect_table1.py runs/table1 > table.md
     python bench/collect_table1.py bench/results/table1 runs/table1 > table.md
 
-Several roots are merged by grid folder name: runs kept from earlier sessions
-(bench/keep_results.py) and new ones are collected together; a run present in more than
-one root is taken from the first.
+Several roots are merged by grid folder name (bench/grid_runs.py): runs kept from earlier
+sessions (bench/keep_results.py) and new ones are collected together.
 
 One row per (folder, run name): best and final mean accuracy (mean ± std over the seeds found),
 final std and worst client, MB up/down, BLS layer counts where recorded, and the paper's
@@ -16,10 +15,11 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
+
+from grid_runs import finished_runs
 
 # KAPC journal paper, Table 1 (10 clients, best mean accuracy, %)
 PAPER = {
@@ -57,19 +57,7 @@ def main(roots: list[Path]) -> None:
     print("| runs | algorithm | seeds | rounds | best mean acc | final mean acc | final std | "
           "final worst | MB up | MB down | layers up / down | paper (best) | ours - paper |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    grids: dict[str, dict[str, Path]] = {}
-    for root in roots:
-        for folder in (p for p in root.iterdir() if p.is_dir()):
-            found = grids.setdefault(folder.name, {})
-            for run in folder.iterdir():
-                if (run / "summary.json").is_file():
-                    found.setdefault(run.name, run)
-    for name in sorted(grids):
-        runs: dict[str, list[Path]] = {}
-        for run_name, run in sorted(grids[name].items()):
-            m = re.fullmatch(r"(.+)-seed(\d+)", run_name)
-            if m:
-                runs.setdefault(m.group(1), []).append(run)
+    for name, runs in finished_runs(roots).items():
         for label, dirs in runs.items():
             sums = [json.loads((d / "summary.json").read_text()) for d in dirs]
             cfg = json.loads((dirs[0] / "config.json").read_text())
