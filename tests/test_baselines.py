@@ -114,8 +114,10 @@ def test_fedbn_bytes_are_the_shared_tensors_only():
     assert row["bytes_up"] == row["clients"] * shared + meta
 
 
-def test_fedbn_without_batchnorm_is_exactly_fedavg():
-    assert _training("algorithm.name=fedbn") == _training("algorithm.name=fedavg")
+def test_fedbn_without_batchnorm_is_exactly_fedavg_and_says_so():
+    with pytest.warns(UserWarning, match="no BatchNorm layers.*cnn2_bn"):
+        fedbn = _training("algorithm.name=fedbn")
+    assert fedbn == _training("algorithm.name=fedavg")
 
 
 # -- FedBABU ------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ travel in either direction. On a model without BatchNorm FedBN is FedAvg exactly
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from edgepfl.algorithms.base import (
@@ -54,6 +56,11 @@ class FedBNServer(FedAvgServer):
     def __init__(self, ctx: ServerContext, hp):
         super().__init__(ctx, hp)
         local = set(batchnorm_names(ctx.layers))
+        if not local:
+            # allowed (FedBN is then FedAvg, which tests rely on) but rarely what a user meant
+            warnings.warn("fedbn: the model has no BatchNorm layers, so FedBN is plain FedAvg; "
+                          "choose a BatchNorm model (model.name=cnn2_bn or cnn_small_bn)",
+                          stacklevel=2)
         self.global_model = {k: v for k, v in self.global_model.items() if k not in local}
 
 
