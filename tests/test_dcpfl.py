@@ -135,11 +135,14 @@ def test_unaggregated_layer_costs_no_bytes():
                    for i in range(len(sim.layers))]
     full = sum(layer_bytes)
     for _ in range(2):
-        sim.step()
+        row = sim.step()
     srv = sim.server
     assert srv.mode == NORMAL
     low = srv.low[0].tolist()
     assert any(low) and not all(low)
+    # the Eq. 6 classification is logged: one group, so every client has the same low layers
+    assert row["low_layers_mean"] == sum(low)
+    assert 0 <= row["layer_disc_ratio_min"] < 1.0
     for _ in range(6):
         rnd = sim.round + 1
         low = srv.low[0].tolist()  # re-derived at every full synchronisation

@@ -248,6 +248,7 @@ class DCPFLServer(Server):
     def _classify(self, labels: list[int]) -> None:
         """Eq. 5-6 for every group from the clients' latest weights vs. the group model."""
         hp = self.hp
+        ratios = []
         for members in self._members(labels).values():
             disc = []
             for i in range(len(self.ctx.layers)):
@@ -259,6 +260,14 @@ class DCPFLServer(Server):
             low = torch.tensor(low_layers(disc, hp.low_ratio))
             for c in members:
                 self.low[c] = low
+            mean = sum(disc) / len(disc)
+            if mean > 0:  # a one-client group equals its group model: no ratio
+                ratios.append(min(disc) / mean)
+        # how close the layers came to Eq. 6's threshold: a run whose smallest ratio stays
+        # above low_ratio gets no layer-wise saving, and the log shows why
+        self._metrics["low_layers_mean"] = float(self.low.sum(dim=1, dtype=torch.float64).mean())
+        if ratios:
+            self._metrics["layer_disc_ratio_min"] = min(ratios)
 
     def _flat(self, cids: list[int], replies: dict[int, Message]) -> torch.Tensor:
         return torch.stack([torch.cat([replies[c].tensors[n].flatten().to(torch.float64)
