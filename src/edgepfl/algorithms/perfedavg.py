@@ -21,6 +21,7 @@ from edgepfl.algorithms.base import Algorithm, Client, Hyperparameters, State, U
 from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.algorithms.training import ClientData
 from edgepfl.engine.messages import Message, MessageError
+from edgepfl.errors import ConfigError
 
 
 class PerFedAvgHyperparameters(Hyperparameters):
@@ -43,15 +44,28 @@ class PerFedAvgClient(Client):
                gen: torch.Generator) -> UpdateResult:
         hp, t = self.hp, self.ctx.train
         beta = hp.beta if hp.beta is not None else t.lr
+        if t.momentum or t.weight_decay:
+            # Algorithm 1 is plain SGD on the MAML objective; quietly dropping them would
+            # make a run differ from its config
+            raise ConfigError(f"Per-FedAvg takes plain SGD steps (Algorithm 1): "
+                              f"train.momentum={t.momentum} and train.weight_decay="
+                              f"{t.weight_decay} must be 0")
         self.trainer.load(msg.tensors)
         model = self.trainer.model
         model.train()
         params = [self.trainer.params[n] for n in self.trainer.param_names]
         need = 3 if self.hessian_free else 2
         loss_sum, seen, steps = 0.0, 0, 0
-        for _ in range(t.local_epochs):
+        for _ in range(t.local_epochs if data.n else 0):
+            # an epoch is half as many steps as the client has batches (FO's D and D' cover
+            # the data once), at least one, so that a client with fewer samples than two
+            # batches still trains; HF takes as many steps as FO (the paper compares them at
+            # equal tau) and draws its D'' from further shuffles of the data
             batches = list(data.batches(t.batch_size, gen))
-            for k in range(0, len(batches) - need + 1, need):
+            n_steps = max(1, len(batches) // 2)
+            while len(batches) < need * n_steps:
+                batches += list(data.batches(t.batch_size, gen))
+            for k in range(0, need * n_steps, need):
                 (x1, y1), (x2, y2) = batches[k], batches[k + 1]
                 w = [p.detach().clone() for p in params]
                 g1 = self._grads(params, x1, y1)
