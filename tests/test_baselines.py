@@ -508,9 +508,19 @@ def test_pfedla_stores_the_trained_models_and_sends_full_models():
     torch.testing.assert_close(down[0][0].tensors["fc1.weight"], init["fc1.weight"])
 
 
-def test_pfedla_defaults_are_the_reference_implementations():
+def test_pfedla_defaults_keep_the_method_on():
     hp = get_algorithm("pfedla").hyperparameters()
-    assert (hp.hn_lr, hp.embedding_dim, hp.hidden_dim) == (5e-3, 100, 100)
+    assert (hp.embedding_dim, hp.hidden_dim) == (100, 100)  # the public implementation's
+
+    def moved(*hn_lr: str) -> float:
+        rows = _sim("algorithm.name=pfedla", *hn_lr, "train.rounds=3").run().metrics
+        assert rows[0]["la_weight_dev_max"] < 1e-6  # round 1: every stored model is the init
+        return rows[-1]["la_weight_dev_max"]
+
+    # at the public implementation's hn_lr = 5e-3 the weights stay uniform to 1e-4 (pFedLA
+    # is then an unweighted average of all models); the default must move them
+    assert moved("algorithm.hn_lr=5e-3") < 1e-4
+    assert moved() > 2e-3
 
 
 def test_all_baselines_are_registered():

@@ -37,8 +37,9 @@ from edgepfl.engine.rng import derive_seed
 
 
 class PFedLAHyperparameters(Hyperparameters):
-    hn_lr: float = Field(5e-3, gt=0, description="hypernetwork SGD learning rate (pFedLA "
-                         "public implementation: 5e-3)")
+    hn_lr: float = Field(1.0, gt=0, description="hypernetwork SGD learning rate (our choice: "
+                         "the public implementation's 5e-3 leaves the weights uniform; "
+                         "docs/algorithms.md)")
     embedding_dim: int = Field(100, ge=1, description="client embedding size (pFedLA "
                                "public implementation: 100)")
     hidden_dim: int = Field(100, ge=1, description="hypernetwork MLP width (pFedLA public "
@@ -162,6 +163,15 @@ class PFedLAServer(Server):
         for cid, reply in replies.items():
             for name, stack in self.models.items():
                 stack[cid].copy_(reply.tensors[name])
+
+    def round_metrics(self) -> dict[str, float]:
+        # whether the hypernetworks moved off their uniform start at all: with too small an
+        # hn_lr pFedLA is an unweighted average of all clients' models, and only this shows it
+        n = self.ctx.num_clients
+        alphas = torch.stack([self.alpha(cid) for cid in range(n)])  # [N, L, N]
+        own = torch.diagonal(alphas, dim1=0, dim2=2)                 # [L, N]
+        return {"la_self_weight_mean": float(own.mean()),
+                "la_weight_dev_max": float((alphas - 1.0 / n).abs().max())}
 
     def state_dict(self) -> State:
         out = {f"models.{k}": v for k, v in self.models.items()}
