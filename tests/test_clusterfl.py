@@ -180,3 +180,16 @@ def test_resume_reproduces_metrics(tmp_path):
         assert all(_same(a[k], b[k]) for k in keys), (a, b)
     saved = json.loads((tmp_path / "full" / "clusterfl_clusters.json").read_text())
     assert saved["clustered_at_round"] == 2 and len(saved["labels"]) == 6
+
+
+def test_configurations_that_switch_clustering_off_say_so():
+    import pytest
+
+    with pytest.warns(UserWarning, match="warmup_rounds=3 is not below train.rounds=3"):
+        Simulation(fast_config(*CFL, "algorithm.warmup_rounds=3"), progress=False)
+    # one of 6 clients per round: the clustering round sees a single upload, K = 3 is capped
+    sim = Simulation(fast_config(*CFL, "train.participation=0.17", "train.rounds=2"),
+                     progress=False)
+    with pytest.warns(UserWarning, match="only 1 clients uploaded in the clustering round 1"):
+        row = sim.step()
+    assert row["clusters"] == 1.0

@@ -27,6 +27,7 @@ cosine-similar to their weights.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -140,6 +141,11 @@ class ClusterFLServer(Server):
         self.similarity = torch.zeros(n, n, dtype=torch.float64)
         self.clustered_ids: list[int] = []  # rows/columns of ``similarity`` that were filled
         self._residual = math.nan
+        if hp.warmup_rounds >= ctx.train.rounds:
+            # the clusters are formed at the end of the last warm-up round; nothing follows
+            warnings.warn(f"clusterfl: algorithm.warmup_rounds={hp.warmup_rounds} is not below "
+                          f"train.rounds={ctx.train.rounds}, so no cluster-wise round ever runs "
+                          "and the run is local training", stacklevel=2)
 
     # -- protocol -----------------------------------------------------------------------------
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
@@ -174,6 +180,13 @@ class ClusterFLServer(Server):
                           for p in self.params], dim=1)
 
     def _cluster(self, rnd: int, cids: list[int]) -> None:
+        if len(cids) < self.hp.num_clusters:
+            # with few clients in the clustering round K is capped: singleton clusters train
+            # as local with a pull to their own last weights (logged as `clusters`)
+            warnings.warn(f"clusterfl: only {len(cids)} clients uploaded in the clustering "
+                          f"round {rnd}, fewer than algorithm.num_clusters="
+                          f"{self.hp.num_clusters}; the clusters are formed from them and "
+                          "later clients join the nearest", stacklevel=2)
         sim = cosine_similarity(self._flat(self.w, cids))
         labels = spectral_clusters(sim, self.hp.num_clusters)
         for cid, lab in zip(cids, labels, strict=True):
