@@ -525,3 +525,23 @@ def test_pfedla_defaults_keep_the_method_on():
 
 def test_all_baselines_are_registered():
     assert {"fedbn", "fedbabu", "moon", "fedamp", "fedproto", "pfedla"} <= set(ALGORITHMS)
+
+
+def test_pfedla_evaluates_the_trained_or_the_aggregated_model_as_asked():
+    for mode in ("local", "aggregate"):
+        sim = _sim("algorithm.name=pfedla", f"algorithm.evaluate={mode}", "train.rounds=2")
+        sim.step()
+        sim.step()
+        msg = sim.server.eval_message(0)
+        personal = sim.client.personal_model(sim.clients.row(0), msg)
+        if mode == "local":
+            assert msg is None
+            want = {k: v[0] for k, v in sim.server.models.items()}  # the uploaded theta_0
+            assert set(personal) == set(want)
+            assert all(torch.equal(personal[k], want[k]) for k in want)
+        else:
+            want = sim.server.aggregate_for(0, sim.server.alpha(0))
+            assert set(personal) == set(want)
+            assert all(torch.equal(personal[k], want[k]) for k in want)
+            # the aggregate is not the client's own trained model
+            assert any(not torch.equal(personal[k], sim.server.models[k][0]) for k in want)

@@ -15,6 +15,8 @@ the hypernetwork is moved along the chain rule *in the descent direction*:
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -44,6 +46,10 @@ class PFedLAHyperparameters(Hyperparameters):
                                "public implementation: 100)")
     hidden_dim: int = Field(100, ge=1, description="hypernetwork MLP width (pFedLA public "
                             "implementation: 100)")
+    evaluate: Literal["local", "aggregate"] = Field(
+        "local", description="model a client predicts with: 'local' = its locally trained "
+        "theta_i, 'aggregate' = its current hypernetwork aggregate bar theta_i (the public "
+        "implementation's test routine)")
 
 
 class HyperNetwork(nn.Module):
@@ -150,6 +156,11 @@ class PFedLAServer(Server):
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
         return {cid: Message(self.aggregate_for(cid, self.alpha(cid))) for cid in selected}
 
+    def eval_message(self, cid: int) -> Message | None:
+        if self.hp.evaluate == "aggregate":
+            return Message(self.aggregate_for(cid, self.alpha(cid)))
+        return None
+
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         # every hypernetwork step uses the models the aggregates were built from, so the
         # replies are stored only after all steps
@@ -185,6 +196,13 @@ class PFedLAServer(Server):
 
 
 class PFedLAClient(PersonalModelClient):
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        if self.hp.evaluate == "aggregate":
+            if eval_msg is None:
+                raise MessageError("pFedLA with evaluate=aggregate needs the server's aggregate")
+            return eval_msg.tensors
+        return super().personal_model(state, eval_msg)
+
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         self.trainer.load(msg.tensors)
