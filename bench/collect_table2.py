@@ -52,7 +52,7 @@ def one_run(run: Path) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     return {
         "final": summary["acc_mean_final"], "best": summary["acc_mean_best"],
-        "worst": summary["acc_min_final"], "converged": k + 1,
+        "worst": summary["acc_min_final"], "std": summary["acc_std_final"], "converged": k + 1,
         "comm_rounds": sum(1 for r in upto if int(r["bytes_up"]) + int(r["bytes_down"]) > 0),
         "comm_time": sum(float(r["t_down"]) + float(r["t_up"]) for r in upto),
         "total_time": sum(float(r["t_round"]) for r in upto),
@@ -65,10 +65,11 @@ def mean(values: list[float]) -> float:
 
 
 def main(roots: list[Path]) -> None:
-    print("| runs | method | seeds | rounds | final acc | best acc | final worst | converged at "
+    print("| runs | method | seeds | rounds | final acc | best acc | final std | final worst | "
+          "converged at "
           "| comm. rounds | comm. time (s) | total time (s) | MB up+down (whole run) | "
-          "paper: final acc, comm. rounds, comm. time, total time |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "paper: final acc (%), comm. rounds, comm. time (s), total time (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for folder, groups in finished_runs(roots).items():
         results = {name: [one_run(d) for d in dirs] for name, dirs in groups.items()}
         comp = results.get("dcpfl")
@@ -79,7 +80,9 @@ def main(roots: list[Path]) -> None:
             final = mean([r["final"] for r in runs])
             ratio = f" (x {total / ref:.2f})" if ref else ""
             paper = PAPER.get(name)
-            ptxt = "" if paper is None else ", ".join("-" if v is None else str(v) for v in paper)
+            ptxt = "" if paper is None else ", ".join(
+                "-" if v is None else f"{100 * v:.1f}" if k == 0 else str(v)
+                for k, v in enumerate(paper))
             if name in ABLATION:
                 d_acc, d_time = ABLATION[name]
                 ptxt = (f"vs DC-PFL: acc {100 * d_acc:+.1f} points, total time "
@@ -91,6 +94,7 @@ def main(roots: list[Path]) -> None:
             print(f"| {folder} | {name} | {len(runs)} | {rounds} | "
                   f"{100 * final:.2f} | "
                   f"{100 * mean([r['best'] for r in runs]):.2f} | "
+                  f"{100 * mean([r['std'] for r in runs]):.2f} | "
                   f"{100 * mean([r['worst'] for r in runs]):.2f} | "
                   f"{mean([r['converged'] for r in runs]):.0f} | "
                   f"{mean([r['comm_rounds'] for r in runs]):.0f} | "
