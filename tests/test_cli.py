@@ -130,3 +130,12 @@ def test_compare_routes_hyperparameters_to_the_algorithms_that_have_them(tmp_pat
     res = invoke("compare", "--algorithms", "fedavg,local", *FAST, "--set", "algorithm.mu=0.3",
                  "--out", str(tmp_path / "e"))
     assert res.exit_code == 2 and "algorithm.mu" in res.output
+
+
+def test_resume_with_more_rounds_extends_the_run(tmp_path):
+    out = tmp_path / "r"
+    assert invoke("run", *FAST, "--out", str(out)).exit_code == 0
+    res = invoke("run", "--resume", str(out), "--set", "train.rounds=3", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 3
+    assert len((out / "metrics.csv").read_text().strip().splitlines()) == 1 + 3

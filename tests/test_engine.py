@@ -104,6 +104,23 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
     assert (tmp_path / "run" / "metrics.csv").read_bytes() == before
 
 
+def test_a_finished_run_extended_equals_a_longer_run(tmp_path):
+    cfg = ("algorithm.name=fedprox", "train.participation=0.5")
+    whole = start_run(fast_config(*cfg, "train.rounds=4"), tmp_path / "whole", progress=False)
+    start_run(fast_config(*cfg, "train.rounds=2"), tmp_path / "ext", progress=False)
+    extended = resume_run(tmp_path / "ext", progress=False, overrides=["train.rounds=4"])
+    assert _strip(extended.metrics) == _strip(whole.metrics)
+    assert extended.summary["acc_mean_final"] == whole.summary["acc_mean_final"]
+    assert json.loads((tmp_path / "ext" / "config.json").read_text())["train"]["rounds"] == 4
+    # shortening is refused, and so is anything else that differs; the run stays as it was
+    before = {f.name: f.read_bytes() for f in (tmp_path / "ext").iterdir()}
+    with pytest.raises(ConfigError, match="extended, not shortened"):
+        resume_run(tmp_path / "ext", progress=False, overrides=["train.rounds=3"])
+    with pytest.raises(ConfigError, match="train.lr"):
+        resume_run(tmp_path / "ext", progress=False, overrides=["train.rounds=6", "train.lr=0.5"])
+    assert {f.name: f.read_bytes() for f in (tmp_path / "ext").iterdir()} == before
+
+
 def test_a_finished_run_is_never_overwritten(tmp_path):
     start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
     before = (tmp_path / "run" / "summary.json").read_bytes()

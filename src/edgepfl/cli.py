@@ -71,7 +71,8 @@ def main() -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="run directory (default runs/<algorithm>-<dataset>-<time>)")
 @click.option("--resume", type=click.Path(file_okay=False, exists=True, path_type=Path),
-              help="continue the run in this directory from its last checkpoint")
+              help="continue the run in this directory from its last checkpoint; with "
+              "--set train.rounds=N (more than it has) extend a finished run")
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
 @_user_errors
@@ -86,8 +87,11 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         if out is not None and out != resume:
             raise EdgepflError("--out and --resume name different directories; a resume "
                                "continues in its own run directory")
-        cfg = config_from_sources(config, list(overrides)) if (config or overrides) else None
-        result = resume_run(resume, cfg, progress=_progress_flag(quiet))
+        # --set alone applies to the run's own configuration (e.g. train.rounds=90 extends
+        # it); a config file is a whole configuration that must match the run
+        cfg = config_from_sources(config, list(overrides)) if config else None
+        result = resume_run(resume, cfg, progress=_progress_flag(quiet),
+                            overrides=None if config else list(overrides))
     else:
         cfg = config_from_sources(config, list(overrides))
         result = start_run(cfg, out, progress=_progress_flag(quiet))

@@ -295,8 +295,12 @@ class Simulation:
 
     def load_checkpoint(self, path: Path) -> None:
         tensors, meta = read_tensors(path)
-        if config_diff(meta.get("config", {}), self.cfg.model_dump()):
+        # train.rounds may have grown (an extended run): nothing in a round depends on it
+        if config_diff(_without_rounds(meta.get("config", {})), _without_rounds(self.cfg.model_dump())):
             raise EdgepflError(f"{path} belongs to a different configuration than {path.parent}/config.json")
+        if int(meta["round"]) > self.cfg.train.rounds:
+            raise EdgepflError(f"{path} is at round {meta['round']}, past train.rounds="
+                               f"{self.cfg.train.rounds}")
         self.clients.load_state_dict(tensors, "client/")
         self.server.load_state_dict({k[len("server/"):]: v for k, v in tensors.items()
                                      if k.startswith("server/")})
@@ -332,19 +336,43 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
     return sim.run()
 
 
+def _without_rounds(cfg: dict) -> dict:
+    return {**cfg, "train": {k: v for k, v in cfg.get("train", {}).items() if k != "rounds"}}
+
+
 def resume_run(run_dir: str | Path, cfg: Config | None = None,
-               progress: bool | None = None) -> RunResult:
-    """Continue ``run_dir`` from its last checkpoint; ``cfg``, if given, must match it."""
+               progress: bool | None = None, overrides: list[str] | None = None) -> RunResult:
+    """Continue ``run_dir`` from its last checkpoint.
+
+    ``cfg`` (a whole configuration) or ``overrides`` (``key=value`` applied to the run's
+    own configuration) must match the run, except that ``train.rounds`` may be raised: the
+    run then goes on to the new last round, exactly as a run started with that many rounds
+    would have (nothing in a round depends on the total), and its config.json says so.
+    """
     run_dir = Path(run_dir)
     stored = read_json(run_dir / "config.json")
+    if cfg is None and overrides:
+        cfg = build_config(stored, overrides)
+    run_cfg = build_config(stored)
     if cfg is not None:
-        diff = config_diff(stored, resolve(cfg).model_dump())
+        given = resolve(cfg).model_dump()
+        diff = config_diff(_without_rounds(stored), _without_rounds(given))
         if diff:
             raise ConfigError(f"cannot resume {run_dir} with a different configuration:\n  "
                               + "\n  ".join(diff))
-    run_cfg = build_config(stored)
+        rounds = given["train"]["rounds"]
+        if rounds < stored["train"]["rounds"]:
+            raise ConfigError(f"cannot resume {run_dir} with train.rounds={rounds}: the run has "
+                              f"{stored['train']['rounds']}; a run can be extended, not shortened")
+        if rounds > stored["train"]["rounds"]:
+            if not (run_dir / CHECKPOINT).exists():
+                raise ConfigError(f"cannot extend {run_dir}: it has no checkpoint to go on from")
+            run_cfg = build_config(given)
     sim = Simulation(run_cfg, run_dir, progress=progress)
     ckpt = run_dir / CHECKPOINT
     if ckpt.exists():
         sim.load_checkpoint(ckpt)
+    if run_cfg.train.rounds != stored["train"]["rounds"]:
+        # only once the checkpoint has loaded: a refused extension leaves the run as it was
+        write_json(run_dir / "config.json", run_cfg.model_dump())
     return sim.run()
