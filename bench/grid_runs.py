@@ -7,8 +7,20 @@ folder name; a run present in more than one root is taken from the first root.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+
+
+def is_finished(run: Path) -> bool:
+    """summary.json exists and covers the configured rounds (a run being extended to more
+    rounds, bench/extend.sh, still holds the summary of its shorter self)."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+        config = json.loads((run / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return summary.get("rounds") == config.get("train", {}).get("rounds")
 
 
 def finished_runs(roots: list[Path]) -> dict[str, dict[str, list[Path]]]:
@@ -20,7 +32,7 @@ def finished_runs(roots: list[Path]) -> dict[str, dict[str, list[Path]]]:
         for folder in (p for p in root.iterdir() if p.is_dir()):
             found = grids.setdefault(folder.name, {})
             for run in folder.iterdir():
-                if (run / "summary.json").is_file():
+                if is_finished(run):
                     found.setdefault(run.name, run)
     merged: dict[str, dict[str, list[Path]]] = {}
     for name in sorted(grids):

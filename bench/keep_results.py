@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from edgepfl.engine.io import read_tensors, write_json
+from grid_runs import is_finished
 
 KEEP = ("config.json", "summary.json", "metrics.csv", "partition.json", "system.json",
         "dcpfl_groups.json")
@@ -40,6 +41,8 @@ def keep(src_root: Path, dst_root: Path) -> int:
     kept = 0
     for summary in sorted(src_root.glob("*/*/summary.json")):
         run = summary.parent
+        if not is_finished(run):
+            continue
         dst = dst_root / run.parent.name / run.name
         tmp = dst.with_name(dst.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
