@@ -55,6 +55,7 @@ def one_run(run: Path) -> dict:
     upto = rows[:k + 1]
     summary = json.loads((run / "summary.json").read_text())
     return {
+        "rounds": summary["rounds"],
         "final": summary["acc_mean_final"], "best": summary["acc_mean_best"],
         "last": statistics.fmean(acc[-LAST:]),
         "worst": summary["acc_min_final"], "std": summary["acc_std_final"], "converged": k + 1,
@@ -81,7 +82,7 @@ def main(roots: list[Path]) -> None:
         comp = results.get("dcpfl")
         ref = mean([r["total_time"] for r in comp]) if comp else None
         for name, runs in results.items():
-            rounds = json.loads((groups[name][0] / "summary.json").read_text())["rounds"]
+            rounds = runs[0]["rounds"]
             total = mean([r["total_time"] for r in runs])
             final = mean([r["final"] for r in runs])
             ratio = f" (x {total / ref:.2f})" if ref else ""

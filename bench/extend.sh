@@ -22,7 +22,8 @@ done | xargs -P "${JOBS:-1}" -I{} bash -c '
   set -euo pipefail
   src=$1 dst=$2 rounds=$3 name=$4
   run="$dst/$name"
-  if [[ -f "$run/summary.json" ]] && grep -q "\"rounds\": $rounds," "$run/summary.json"; then
+  if [[ -f "$run/summary.json" ]] && python -c "import json, sys
+sys.exit(json.load(open(sys.argv[1])).get(\"rounds\") != int(sys.argv[2]))" "$run/summary.json" "$rounds"; then
     echo "done already: $run"; exit 0
   fi
   if [[ ! -d "$run" ]]; then
