@@ -116,8 +116,24 @@ def test_fedbn_bytes_are_the_shared_tensors_only():
 
 def test_fedbn_without_batchnorm_is_exactly_fedavg_and_says_so():
     with pytest.warns(UserWarning, match="no BatchNorm layers.*cnn2_bn"):
-        fedbn = _training("algorithm.name=fedbn")
-    assert fedbn == _training("algorithm.name=fedavg")
+        fedbn = _training("algorithm.name=fedbn", "model.name=cnn_small")
+    assert fedbn == _training("algorithm.name=fedavg", "model.name=cnn_small")
+
+
+@pytest.mark.parametrize(("dataset", "default", "fedbn"), [
+    ("synthetic", "cnn_small", "cnn_small_bn"), ("mnist", "cnn2", "cnn2_bn"),
+    ("cifar10", "cnn_cifar", "cnn_cifar")])
+def test_fedbn_defaults_to_the_batchnorm_variant_of_the_data_sets_model(dataset, default, fedbn):
+    from edgepfl.engine.simulation import resolve
+
+    def model(*overrides):
+        return resolve(fast_config(f"dataset.name={dataset}", *overrides)).model.name
+
+    assert model("algorithm.name=fedavg") == default
+    # without a BatchNorm variant (cnn_cifar has none) the default stays, and FedBN warns
+    assert model("algorithm.name=fedbn") == fedbn
+    # a model the user names is kept, even without BatchNorm
+    assert model("algorithm.name=fedbn", "model.name=mlp") == "mlp"
 
 
 # -- FedBABU ------------------------------------------------------------------------------

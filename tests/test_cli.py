@@ -87,9 +87,19 @@ def test_compare_writes_table_csv_and_plot(tmp_path):
     for name in ["comparison.csv", "comparison.md", "comparison.png"]:
         assert (tmp_path / "c" / name).is_file()
     table = (tmp_path / "c" / "comparison.md").read_text()
-    assert "| local |" in table and "| fedavg |" in table and "±" in table
+    assert "| local | cnn_small |" in table and "| fedavg | cnn_small |" in table
+    assert "±" in table
     rows = (tmp_path / "c" / "comparison.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 4
+
+
+def test_compare_runs_fedbn_on_the_batchnorm_variant_and_says_so(tmp_path):
+    res = invoke("compare", "--algorithms", "fedavg,fedbn", *FAST, "--out", str(tmp_path / "c"))
+    assert res.exit_code == 0, res.output
+    table = (tmp_path / "c" / "comparison.md").read_text()
+    assert "| fedavg | cnn_small |" in table and "| fedbn | cnn_small_bn |" in table
+    config = json.loads((tmp_path / "c" / "fedbn-seed0" / "config.json").read_text())
+    assert config["model"]["name"] == "cnn_small_bn"
 
 
 def test_compare_rejects_unknown_algorithm_before_running(tmp_path):

@@ -142,6 +142,9 @@ class Algorithm:
     server: type[Server]
     client: type[Client]
     paper: str = ""
+    # appended to the data set's default model when model.name is left unset, if such a
+    # model exists: FedBN is only FedBN on a model with BatchNorm ("_bn")
+    model_variant: str = ""
 
     def parse_hyperparameters(self, values: dict[str, Any]) -> Hyperparameters:
         from pydantic import ValidationError

@@ -4,7 +4,9 @@ Feature shift between clients (different scanners, styles, lighting) shows up in
 normalisation statistics; keeping each client's BatchNorm affine parameters and running
 statistics private lets one shared backbone serve differently distributed inputs. The
 server is FedAvg restricted to the non-BatchNorm tensors, so BatchNorm tensors never
-travel in either direction. On a model without BatchNorm FedBN is FedAvg exactly.
+travel in either direction. On a model without BatchNorm FedBN is FedAvg exactly, so with
+``model.name`` unset FedBN takes the BatchNorm variant of the data set's default model
+(``cnn2_bn`` for MNIST, ``cnn_small_bn`` for digits).
 """
 
 from __future__ import annotations
@@ -101,4 +103,5 @@ ALGORITHM = Algorithm(
     server=FedBNServer,
     client=FedBNClient,
     paper="Li et al., FedBN: Federated Learning on Non-IID Features via Local Batch Normalization, ICLR 2021",
+    model_variant="_bn",
 )

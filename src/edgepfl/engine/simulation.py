@@ -31,7 +31,7 @@ from edgepfl.engine.progress import RoundProgress
 from edgepfl.engine.rng import derive_seed, generator, select_clients
 from edgepfl.engine.store import StackedStore
 from edgepfl.errors import ConfigError, EdgepflError
-from edgepfl.models import DEFAULT_MODEL, LayerSpec, build_model
+from edgepfl.models import DEFAULT_MODEL, MODELS, LayerSpec, build_model
 from edgepfl.system import (
     COST_COLUMNS,
     FlopMeter,
@@ -53,7 +53,9 @@ def resolve(cfg: Config) -> Config:
     hp = algo.parse_hyperparameters(cfg.algorithm.hyperparameters())
     data = cfg.model_dump()
     if data["model"]["name"] is None:
-        data["model"]["name"] = DEFAULT_MODEL.get(cfg.dataset.name, "mlp")
+        base = DEFAULT_MODEL.get(cfg.dataset.name, "mlp")
+        variant = base + algo.model_variant
+        data["model"]["name"] = variant if variant in MODELS else base
     data["algorithm"] = {"name": algo.name, **hp.model_dump()}
     return build_config(data)
 

@@ -18,7 +18,7 @@ from edgepfl.engine.simulation import resolve, start_run
 from edgepfl.errors import EdgepflError
 from edgepfl.report.plots import plot_curves
 
-COMPARISON_COLUMNS = ["algorithm", "seed", "acc_mean_best", "best_round", "acc_mean_final",
+COMPARISON_COLUMNS = ["algorithm", "model", "seed", "acc_mean_best", "best_round", "acc_mean_final",
                       "acc_weighted_final", "acc_std_final", "acc_min_final", "bytes_up_total",
                       "bytes_down_total", "wall_time_s", "run_dir"]
 
@@ -84,7 +84,8 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
             echo(f"{name:>10} seed {seed}: best {s['acc_mean_best']:.4f} (round {s['best_round']}), "
                  f"final {s['acc_mean_final']:.4f} ± {s['acc_std_final']:.4f}, "
                  f"up {s['bytes_up_total'] / 1e6:.2f} MB, down {s['bytes_down_total'] / 1e6:.2f} MB")
-            rows.append({**{k: s.get(k) for k in COMPARISON_COLUMNS}, "run_dir": run_dir.name})
+            rows.append({**{k: s.get(k) for k in COMPARISON_COLUMNS}, "model": cfg.model.name,
+                         "run_dir": run_dir.name})
             curves.setdefault(name, []).append(
                 [(r["round"], r["acc_mean"]) for r in result.metrics if not math.isnan(r["acc_mean"])])
     write_csv(out / "comparison.csv", COMPARISON_COLUMNS, rows)
@@ -111,9 +112,9 @@ def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config) -
         "accuracy is the unweighted mean over clients of each client's personalized model on "
         "its own test split. *Best* is the best round (the papers' protocol), *final* the last.",
         "",
-        "| algorithm | best mean acc | final mean acc | final std across clients | "
+        "| algorithm | model | best mean acc | final mean acc | final std across clients | "
         "final worst client | MB up | MB down |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in algorithms:
         sel = [r for r in rows if r["algorithm"] == name]
@@ -122,7 +123,7 @@ def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config) -
             m, s = _mean_std([r[key] * scale if r[key] is not None else None for r in sel])
             return f"{m:.{digits}f} ± {s:.{digits}f}"
 
-        lines.append(f"| {name} | {cell('acc_mean_best')} | {cell('acc_mean_final')} | "
+        lines.append(f"| {name} | {sel[0]['model']} | {cell('acc_mean_best')} | {cell('acc_mean_final')} | "
                      f"{cell('acc_std_final')} | {cell('acc_min_final')} | "
                      f"{cell('bytes_up_total', 1e-6)} | {cell('bytes_down_total', 1e-6)} |")
     lines.append("")
