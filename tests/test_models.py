@@ -86,3 +86,29 @@ def test_trainer_uses_channels_last_for_conv_models_only():
 
     assert Trainer(build_model("cnn2", (1, 28, 28), 10)).channels_last
     assert not Trainer(build_model("mlp", (1, 28, 28), 10)).channels_last
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_feature_tap_reads_the_features_the_logits_were_computed_from(name):
+    """MOON and FedProto take ``features`` from the forward that made the logits; that
+    holds only if every zoo model's forward is its last layer applied to ``features``."""
+    from edgepfl.algorithms.training import classifier_module, tap_features
+
+    shape = (1, 8, 8) if name.startswith("cnn_small") else (3, 32, 32) if name == "cnn_cifar" \
+        else (1, 28, 28)
+    torch.manual_seed(0)
+    model = build_model(name, shape, 10).eval()
+    x = torch.randn(5, *shape)
+    classifier = classifier_module(LayerSpec.from_model(model))
+    with tap_features(model, classifier) as tap:
+        logits = model(x)
+        features = tap.take()
+        # taken once: a stale value is never read for the next batch
+        with pytest.raises(RuntimeError, match="did not pass through its classifier"):
+            tap.take()
+        assert torch.equal(features, model.features(x))
+        assert torch.equal(logits, model.get_submodule(classifier)(features))
+        tap.take()
+    model(x)  # the hook is gone once the tap is closed
+    with pytest.raises(RuntimeError):
+        tap.take()

@@ -33,7 +33,7 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.training import ClientData, classifier_module, tap_features
 from edgepfl.engine.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
 
@@ -148,10 +148,11 @@ class FedProtoClient(PersonalModelClient):
         self.trainer.load(self._own(state))
         lamda = self.hp.lamda
 
-        def loss_hook(model, logits, x, y):
-            return lamda * prototype_loss(model.features(x), y, protos, present)
+        with tap_features(self.trainer.model, classifier_module(self.ctx.layers)) as features:
+            def loss_hook(model, logits, x, y):
+                return lamda * prototype_loss(features.take(), y, protos, present)
 
-        stats = fit(self, data, gen, loss_hook=loss_hook if present.any() else None)
+            stats = fit(self, data, gen, loss_hook=loss_hook if present.any() else None)
         model = self.trainer.export()
         classes, local, counts = self.local_prototypes(data)
         reply = Message({"protos": local}, {"classes": classes, "counts": counts})

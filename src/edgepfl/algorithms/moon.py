@@ -9,8 +9,9 @@ model and pushed away from its representation under the client's previous local 
 with cosine similarity ``sim``. Representations come from a projection head (a 2-layer
 MLP) on the model's features; the head is part of the federated model (averaged with it).
 The previous local model lives in the client's state. The loss term is built with autograd
-on the live features (only ``z_glob`` and ``z_prev`` are constants), and with mu = 0 the
-training is FedAvg's bit for bit (tested).
+on the live features, read from the forward pass that computed the logits (only
+``z_glob`` and ``z_prev`` are constants), and with mu = 0 the training is FedAvg's bit for
+bit (tested).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from edgepfl.algorithms.base import (
     UpdateResult,
 )
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.training import ClientData, Trainer
+from edgepfl.algorithms.training import ClientData, Trainer, classifier_module, tap_features
 from edgepfl.engine.messages import Message, MessageError
 from edgepfl.engine.rng import derive_seed
 from edgepfl.models.layers import LayerSpec
@@ -119,6 +120,7 @@ class MOONClient(Client):
         model = ctx.trainer.model
         self.model_names = list(ctx.trainer.state_names)
         dim = feature_dim(ctx.layers, dict(model.named_parameters()))
+        self.classifier = classifier_module(ctx.layers)
         self.proj_init = init_projection(dim, hp.proj_dim, ctx.seed)
         # one skeleton sharing the run model's parameters, so the SGD on the model is the
         # trainer's own; two more for the constant global and previous representations
@@ -158,17 +160,19 @@ class MOONClient(Client):
         mu, tau = self.hp.mu, self.hp.temperature
         glob, prev = self.glob.model, self.prev.model
 
-        def loss_hook(model, logits, x, y):
-            z = model.represent(x)
-            with torch.no_grad():
-                z_glob, z_prev = glob.represent(x), prev.represent(x)
-            return mu * contrastive_loss(z, z_glob, z_prev, tau)
+        proj = self.net.proj
+        with tap_features(self.net, f"net.{self.classifier}") as features:
+            def loss_hook(model, logits, x, y):
+                z = proj(features.take())
+                with torch.no_grad():
+                    z_glob, z_prev = glob.represent(x), prev.represent(x)
+                return mu * contrastive_loss(z, z_glob, z_prev, tau)
 
-        # the run's SGD settings, applied to the model and the projection head together
-        t = self.ctx.train
-        stats = self.moon.fit(data, t.local_epochs, t.batch_size, t.lr, gen,
-                              momentum=t.momentum, weight_decay=t.weight_decay,
-                              loss_hook=loss_hook)
+            # the run's SGD settings, applied to the model and the projection head together
+            t = self.ctx.train
+            stats = self.moon.fit(data, t.local_epochs, t.batch_size, t.lr, gen,
+                                  momentum=t.momentum, weight_decay=t.weight_decay,
+                                  loss_hook=loss_hook)
         trained = self._outer(self.moon.export())
         reply = Message(trained, {"num_samples": data.n})
         return UpdateResult(reply, {f"prev.{k}": v for k, v in trained.items()}, stats)
