@@ -133,10 +133,8 @@ def test_hyperparameters_are_typed_and_unknown_ones_rejected():
 
 def test_every_algorithm_learns_above_chance_on_synthetic_data():
     for name in ALGORITHMS:
-        # FedBN on its BatchNorm model (on the default one it is FedAvg, and warns so)
-        model = ["model.name=cnn_small_bn"] if name == "fedbn" else []
         _, result = _metrics(fast_config(f"algorithm.name={name}", "train.rounds=4",
-                                         "train.local_epochs=2", *model))
+                                         "train.local_epochs=2"))
         assert result.summary["acc_mean_best"] > 0.3, name
         assert not math.isnan(result.summary["acc_mean_final"])
 

@@ -96,6 +96,7 @@ def test_compare_writes_table_csv_and_plot(tmp_path):
 def test_compare_runs_fedbn_on_the_batchnorm_variant_and_says_so(tmp_path):
     res = invoke("compare", "--algorithms", "fedavg,fedbn", *FAST, "--out", str(tmp_path / "c"))
     assert res.exit_code == 0, res.output
+    assert "different models (fedavg: cnn_small, fedbn: cnn_small_bn)" in res.output
     table = (tmp_path / "c" / "comparison.md").read_text()
     assert "| fedavg | cnn_small |" in table and "| fedbn | cnn_small_bn |" in table
     config = json.loads((tmp_path / "c" / "fedbn-seed0" / "config.json").read_text())

@@ -38,7 +38,8 @@ class PartitionConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str | None = Field(None, description="architecture; default depends on the data set")
+    name: str | None = Field(None, description="architecture; default depends on the data set "
+                             "(and its BatchNorm variant for fedbn)")
 
 
 class TrainConfig(_Section):

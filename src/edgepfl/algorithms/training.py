@@ -73,7 +73,7 @@ class FeatureTap:
 
 def classifier_module(layers: LayerSpec) -> str:
     """Module name of a model's last layer, whose input is its ``features`` in our zoo."""
-    return layers.params_of(len(layers) - 1)[0].rsplit(".", 1)[0]
+    return layers.names[-1]
 
 
 @contextmanager

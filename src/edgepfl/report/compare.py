@@ -67,6 +67,11 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
         data = base.model_dump()
         data["algorithm"] = {"name": name, **hp}
         configs[name] = resolve(build_config(data))
+    models = {name: cfg.model.name for name, cfg in configs.items()}
+    if len(set(models.values())) > 1:
+        echo("note: the algorithms run different models (" +
+             ", ".join(f"{n}: {m}" for n, m in models.items()) +
+             "); --set model.name=... gives them all the same one")
     rows, curves = [], {}
     for seed in seeds:
         cfg0 = configs[algorithms[0]]
