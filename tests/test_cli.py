@@ -99,6 +99,7 @@ def test_compare_runs_fedbn_on_the_batchnorm_variant_and_says_so(tmp_path):
     assert "different models (fedavg: cnn_small, fedbn: cnn_small_bn)" in res.output
     table = (tmp_path / "c" / "comparison.md").read_text()
     assert "| fedavg | cnn_small |" in table and "| fedbn | cnn_small_bn |" in table
+    assert "±" not in table  # one seed: no spread over seeds to show
     config = json.loads((tmp_path / "c" / "fedbn-seed0" / "config.json").read_text())
     assert config["model"]["name"] == "cnn_small_bn"
 

@@ -113,7 +113,8 @@ def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config) -
         "",
         f"{base.partition.clients} clients, partition {base.partition.scheme} "
         f"(alpha {base.partition.alpha}), {base.train.rounds} rounds, participation "
-        f"{base.train.participation}, seeds {', '.join(map(str, seeds))}. Mean ± std over seeds; "
+        f"{base.train.participation}, seeds {', '.join(map(str, seeds))}. "
+        f"{'Mean ± std over seeds' if len(seeds) > 1 else 'One seed, so no spread over seeds'}; "
         "accuracy is the unweighted mean over clients of each client's personalized model on "
         "its own test split. *Best* is the best round (the papers' protocol), *final* the last.",
         "",
@@ -126,7 +127,8 @@ def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config) -
 
         def cell(key, scale=100.0, digits=2, sel=sel):
             m, s = _mean_std([r[key] * scale if r[key] is not None else None for r in sel])
-            return f"{m:.{digits}f} ± {s:.{digits}f}"
+            # a spread over one seed would read as a measured zero
+            return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if len(sel) > 1 else "")
 
         lines.append(f"| {name} | {sel[0]['model']} | {cell('acc_mean_best')} | {cell('acc_mean_final')} | "
                      f"{cell('acc_std_final')} | {cell('acc_min_final')} | "
