@@ -43,9 +43,7 @@ def main() -> int:
                      f"the run has {summary['rounds']}")
     cfg = build_config(json.loads((args.run / "config.json").read_text()), args.sets)
     sim = Simulation(cfg, progress=False)
-    sim.clients.load_state_dict(tensors, "client/")
-    sim.server.load_state_dict({k[len("server/"):]: v for k, v in tensors.items()
-                                if k.startswith("server/")})
+    sim.load_state(tensors)  # not load_checkpoint: it refuses the changed evaluation setting
     try:
         again = sim.evaluate()
     except KeyError as exc:

@@ -295,6 +295,13 @@ class Simulation:
                 "edgepfl_version": __version__}
         write_tensors(self.out_dir / CHECKPOINT, tensors, meta)
 
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Clients' and server's state from a checkpoint's tensors (no config check: the
+        caller vouches that they belong to this configuration)."""
+        self.clients.load_state_dict(tensors, "client/")
+        self.server.load_state_dict({k[len("server/"):]: v for k, v in tensors.items()
+                                     if k.startswith("server/")})
+
     def load_checkpoint(self, path: Path) -> None:
         tensors, meta = read_tensors(path)
         # train.rounds may have grown (an extended run): nothing in a round depends on it
@@ -303,9 +310,7 @@ class Simulation:
         if int(meta["round"]) > self.cfg.train.rounds:
             raise EdgepflError(f"{path} is at round {meta['round']}, past train.rounds="
                                f"{self.cfg.train.rounds}")
-        self.clients.load_state_dict(tensors, "client/")
-        self.server.load_state_dict({k[len("server/"):]: v for k, v in tensors.items()
-                                     if k.startswith("server/")})
+        self.load_state(tensors)
         self.round = int(meta["round"])
         self.metrics = [{k: (math.nan if v is None else v) for k, v in row.items()}
                         for row in meta["metrics"]]
