@@ -172,6 +172,18 @@ def test_fedbabu_without_finetuning_predicts_with_global_body_and_initial_head()
     assert torch.equal(model["conv1.weight"], body["conv1.weight"])  # one round behind
 
 
+def test_fedbabu_finetuning_for_evaluation_is_not_a_cost_of_the_round():
+    # the paper fine-tunes once, at test time: only the body's training is the round's work
+    def client_flops(epochs: int) -> list[float]:
+        sim = _sim("algorithm.name=fedbabu", f"algorithm.finetune_epochs={epochs}",
+                   "system.cache_flops=false")
+        return [r["flops_client"] for r in sim.run().metrics]
+
+    without = client_flops(0)
+    assert all(f > 0 for f in without)
+    assert client_flops(2) == without
+
+
 def test_fedbabu_defaults_finetune_as_the_paper():
     assert get_algorithm("fedbabu").hyperparameters().finetune_epochs == 5
 

@@ -16,6 +16,7 @@ from edgepfl.system import (
     build_system_config,
     cost_totals,
     count_flops,
+    not_counted,
     peak_rss_bytes,
     shannon_rate,
     state_bytes,
@@ -295,6 +296,26 @@ def test_failed_block_is_not_cached():
     with meter.measure(key="k") as m:
         torch.ones(2, 2) @ torch.ones(2, 2)
     assert not m.cached and m.flops == 16
+
+
+def test_not_counted_work_is_left_out_of_the_count():
+    a, b = torch.ones(2, 3), torch.ones(3, 4)
+    meter = FlopMeter(cache=False)
+    with meter.measure() as m:
+        a @ b  # 2 * 2 * 3 * 4 = 48 FLOPs, counted
+        with not_counted():
+            b.T @ a.T  # the same 48 again, left out
+            with not_counted():  # nested: left out once, not twice
+                a @ b
+    assert (m.flops, m.excluded) == (48, 96)
+    with not_counted():  # outside a measured block it only runs the block
+        assert torch.equal(a @ b, torch.full((2, 4), 3.0))
+    with pytest.raises(RuntimeError), meter.measure(), not_counted():
+        a @ b
+        raise RuntimeError("failed inside the excluded block")
+    with meter.measure() as after:  # the failure left no active exclusion behind
+        a @ b
+    assert (after.flops, after.excluded) == (48, 0)
 
 
 def test_work_signature_sees_shapes_and_metadata_not_values():

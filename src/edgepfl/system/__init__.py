@@ -8,10 +8,10 @@ seconds of a synchronous round. See docs/system.md for the model and its sources
 from edgepfl.system.channel import channel_gain, dbm_to_watt, shannon_rate, transfer_time
 from edgepfl.system.config import HMPL_TIERS, DeviceTier, SystemConfig, build_system_config
 from edgepfl.system.cost import COST_COLUMNS, TOTAL_KEYS, SystemModel, cost_totals
-from edgepfl.system.flops import FlopCount, FlopMeter, count_flops, work_signature
+from edgepfl.system.flops import FlopCount, FlopMeter, count_flops, not_counted, work_signature
 from edgepfl.system.memory import peak_rss_bytes, state_bytes
 
 __all__ = ["COST_COLUMNS", "HMPL_TIERS", "TOTAL_KEYS", "DeviceTier", "FlopCount", "FlopMeter",
            "SystemConfig", "SystemModel", "build_system_config", "channel_gain", "cost_totals",
-           "count_flops", "dbm_to_watt", "peak_rss_bytes", "shannon_rate", "state_bytes",
+           "count_flops", "dbm_to_watt", "not_counted", "peak_rss_bytes", "shannon_rate", "state_bytes",
            "transfer_time", "work_signature"]

@@ -11,12 +11,18 @@ is a function of shapes, not values (the client's sample count, the shapes of th
 and state, the config), so ``FlopMeter`` counts a piece of work once per caller-given key
 (e.g. client id plus the shapes of what it received) and reuses the count on later
 rounds; the caller chooses what goes into the key, and ``work_signature`` builds one.
+
+Work a client does only so that it can be evaluated (FedBABU fine-tunes a personal model
+each round because evaluation here has no client data; the paper does it once, at test
+time) is not a cost of the round: the client wraps it in ``not_counted()``, and the meter
+leaves it out of the count and hence out of the simulated compute time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +36,37 @@ class FlopCount:
 
     flops: int | None = None
     cached: bool = False
+    excluded: int = 0  # FLOPs of ``not_counted`` blocks, left out of ``flops``
+
+
+@dataclass
+class _Active:
+    counter: FlopCounterMode
+    excluded: int = 0
+    depth: int = 0  # of open ``not_counted`` blocks: only the outermost one is measured
+
+
+_ACTIVE: ContextVar[_Active | None] = ContextVar("edgepfl_flop_meter", default=None)
+
+
+@contextmanager
+def not_counted() -> Iterator[None]:
+    """Run a block whose FLOPs the enclosing ``FlopMeter.measure`` leaves out.
+
+    For evaluation-only work inside a client's update; outside a measured block (or under
+    a cached count) it simply runs the block.
+    """
+    active = _ACTIVE.get()
+    if active is None or active.depth:
+        yield
+        return
+    before = active.counter.get_total_flops()
+    active.depth += 1
+    try:
+        yield
+    finally:
+        active.depth -= 1
+        active.excluded += active.counter.get_total_flops() - before
 
 
 class FlopMeter:
@@ -63,10 +100,16 @@ class FlopMeter:
             result.flops, result.cached = self._counts[key], True
             return
         counter = FlopCounterMode(display=False)
-        with counter:
-            yield result
+        active = _Active(counter)
+        token = _ACTIVE.set(active)
+        try:
+            with counter:
+                yield result
+        finally:
+            _ACTIVE.reset(token)
         # Only reached when the block completed: a failed block caches nothing.
-        result.flops = int(counter.get_total_flops())
+        result.excluded = active.excluded
+        result.flops = int(counter.get_total_flops()) - result.excluded
         self.misses += 1
         if self.cache and key is not None:
             self._counts[key] = result.flops
