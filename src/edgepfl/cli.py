@@ -1,4 +1,4 @@
-"""The ``edgepfl`` command line: run, compare, list."""
+"""The ``edgepfl`` command line: run, compare, report, list."""
 
 from __future__ import annotations
 
