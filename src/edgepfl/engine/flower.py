@@ -13,8 +13,9 @@ What maps to what:
 * what a client keeps between rounds lives in the node's ``Context.state`` and never
   leaves it;
 * the configuration is the Flower run config: every key an edgepfl setting in dotted form
-  (``"train.rounds" = 50``), plus ``out``, the folder where the ServerApp writes
-  ``config.json``, ``metrics.csv`` and ``summary.json``.
+  (``"train.rounds" = 50``), plus two of the ServerApp's own: ``out``, the folder where it
+  writes ``config.json``, ``metrics.csv`` and ``summary.json``, and ``wait``, how many
+  seconds it waits for the SuperNodes to connect (default 300).
 
 Client seeds are derived exactly as in the simulation (run seed, round, client), and each
 node loads the data set from its own ``dataset.root`` / ``EDGEPFL_DATA`` and takes its
@@ -85,6 +86,7 @@ STATS = "edgepfl.stats"
 STATE = "edgepfl.state"
 PARTITION_ID = "partition-id"
 OUT = "out"
+WAIT = "wait"
 COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "train_loss",
            "bytes_up", "bytes_down", "clients", "wall_s"]
 
@@ -133,10 +135,11 @@ def from_content(content: RecordDict, optional: bool = False) -> Message | None:
 
 # -- configuration ------------------------------------------------------------------------
 def config_from_run(run_config: Mapping[str, Any]) -> Config:
-    """The edgepfl configuration in a Flower run config (flat dotted keys; ``out`` aside)."""
+    """The edgepfl configuration in a Flower run config (flat dotted keys; ``out`` and
+    ``wait`` are the ServerApp's own)."""
     nested: dict[str, Any] = {}
     for key, value in run_config.items():
-        if key == OUT:
+        if key in (OUT, WAIT):
             continue
         parts = [p for p in str(key).split(".") if p]
         if not parts:
@@ -274,9 +277,14 @@ def _exchange(grid: Grid, nodes: Mapping[int, int], contents: Mapping[int, Recor
     return replies
 
 
-def discover(grid: Grid, num_clients: int) -> dict[int, int]:
-    """Client id -> node id, from every node's answer to a query."""
+def discover(grid: Grid, num_clients: int, wait_s: float = 0.0) -> dict[int, int]:
+    """Client id -> node id, from every node's answer to a query, once ``num_clients``
+    nodes are connected or ``wait_s`` seconds have passed (SuperNodes join when they start)."""
+    deadline = time.monotonic() + wait_s
     node_ids = sorted(grid.get_node_ids())
+    while len(node_ids) < num_clients and time.monotonic() < deadline:
+        time.sleep(1.0)
+        node_ids = sorted(grid.get_node_ids())
     asked = [FlowerMessage(RecordDict(), node_id, "query", group_id="0") for node_id in node_ids]
     nodes: dict[int, int] = {}
     for reply in grid.send_and_receive(asked):
@@ -303,7 +311,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
                            cfg.dataset.download)
     n = cfg.partition.clients
     server = Parts.build(cfg, dataset).server(n)
-    nodes = discover(grid, n)
+    nodes = discover(grid, n, float(run_config.get(WAIT, 300)))
     if out is not None:
         write_json(out / "config.json", cfg.model_dump())
     metrics: list[dict] = []
