@@ -20,6 +20,7 @@ import torch
 
 from edgepfl import __version__
 from edgepfl.algorithms import ClientContext, ServerContext, get_algorithm
+from edgepfl.algorithms.base import Algorithm, Client, Hyperparameters, Server
 from edgepfl.algorithms.training import ClientData, Trainer
 from edgepfl.config import Config, build_config
 from edgepfl.data import load_dataset, make_partition
@@ -73,6 +74,90 @@ def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 @dataclass
+class Parts:
+    """What a run builds from its configuration and data set's shapes, the same way
+    wherever it runs (this simulation, or a Flower ServerApp / ClientApp)."""
+
+    cfg: Config
+    algorithm: Algorithm
+    hp: Hyperparameters
+    layers: LayerSpec
+    trainer: Trainer
+    init_model: dict[str, torch.Tensor]
+    num_classes: int
+
+    @classmethod
+    def build(cls, cfg: Config, dataset: Dataset) -> Parts:
+        """``cfg`` resolved; the initial model drawn from the run's seed alone."""
+        algorithm = get_algorithm(cfg.algorithm.name)
+        hp = algorithm.parse_hyperparameters(cfg.algorithm.hyperparameters())
+        torch.manual_seed(derive_seed(cfg.seed, "init"))
+        model = build_model(cfg.model.name, dataset.input_shape, dataset.num_classes)
+        trainer = Trainer(model, cfg.eval.batch_size)
+        return cls(cfg, algorithm, hp, LayerSpec.from_model(model), trainer, trainer.export(),
+                   dataset.num_classes)
+
+    def server(self, num_clients: int) -> Server:
+        cfg = self.cfg
+        return self.algorithm.server(
+            ServerContext(num_clients, self.layers, self.init_model, cfg.train, cfg.seed), self.hp)
+
+    def client(self) -> Client:
+        cfg = self.cfg
+        return self.algorithm.client(
+            ClientContext(self.trainer, self.layers, cfg.train, self.num_classes, cfg.seed), self.hp)
+
+
+def client_split(dataset: Dataset, partition: Partition,
+                 cid: int) -> tuple[ClientData, tuple[torch.Tensor, torch.Tensor]]:
+    """Client ``cid``'s training view and its test samples."""
+    ds, idx = dataset, partition.test[cid]
+    return (ClientData(ds.x_train, ds.y_train, partition.train[cid]),
+            (ds.x_test.index_select(0, idx), ds.y_test.index_select(0, idx)))
+
+
+def accuracy_row(accs: list[float], losses: list[float], test_sizes: np.ndarray) -> dict:
+    """A round's evaluation figures from every client's accuracy and mean loss (NaN for a
+    client without test samples): unweighted mean, weighted mean, spread, worst."""
+    acc = np.array(accs)
+    ok = ~np.isnan(acc)
+    return {"acc_mean": float(acc[ok].mean()),
+            "acc_weighted": float(np.average(acc[ok], weights=test_sizes[ok])),
+            "acc_std": float(acc[ok].std()),
+            "acc_min": float(acc[ok].min()),
+            "loss": float(np.nanmean(losses))}
+
+
+def load_federation(cfg: Config, dataset: Dataset | None = None,
+                    partition: Partition | None = None) -> tuple[Dataset, Partition]:
+    """The run's data set and its seeded split over the clients (either may be given)."""
+    dataset = dataset or load_dataset(cfg.dataset.name, cfg.dataset.root, cfg.dataset.fraction,
+                                      cfg.seed, cfg.dataset.download)
+    partition = partition or make_partition(
+        dataset.y_train, dataset.y_test, dataset.num_classes, cfg.partition.scheme,
+        cfg.partition.clients, cfg.seed, alpha=cfg.partition.alpha,
+        min_size=cfg.partition.min_size, classes_per_client=cfg.partition.classes_per_client)
+    return dataset, partition
+
+
+def accuracy_summary(metrics: list[dict], client_acc: list[float]) -> dict:
+    """Best round (the papers' figure), final round and its spread, from evaluated rows."""
+    evaluated = [r for r in metrics if not math.isnan(r["acc_mean"])]
+    best = max(evaluated, key=lambda r: r["acc_mean"]) if evaluated else None
+    final = evaluated[-1] if evaluated else None
+    return {
+        "acc_mean_best": best["acc_mean"] if best else None,
+        "best_round": best["round"] if best else None,
+        "acc_mean_final": final["acc_mean"] if final else None,
+        "acc_weighted_final": final["acc_weighted"] if final else None,
+        "acc_std_final": final["acc_std"] if final else None,
+        "acc_min_final": final["acc_min"] if final else None,
+        "final_round": final["round"] if final else None,
+        "acc_clients_final": client_acc,
+    }
+
+
+@dataclass
 class RunResult:
     summary: dict
     metrics: list[dict]
@@ -90,33 +175,21 @@ class Simulation:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress
         self.algorithm = get_algorithm(cfg.algorithm.name)
-        hp = self.algorithm.parse_hyperparameters(cfg.algorithm.hyperparameters())
 
-        self.dataset = dataset or load_dataset(cfg.dataset.name, cfg.dataset.root,
-                                               cfg.dataset.fraction, cfg.seed, cfg.dataset.download)
-        self.partition = partition or make_partition(
-            self.dataset.y_train, self.dataset.y_test, self.dataset.num_classes,
-            cfg.partition.scheme, cfg.partition.clients, cfg.seed, alpha=cfg.partition.alpha,
-            min_size=cfg.partition.min_size, classes_per_client=cfg.partition.classes_per_client)
+        self.dataset, self.partition = load_federation(cfg, dataset, partition)
         n = self.num_clients = self.partition.num_clients
 
-        torch.manual_seed(derive_seed(cfg.seed, "init"))
-        model = build_model(cfg.model.name, self.dataset.input_shape, self.dataset.num_classes)
-        self.layers = LayerSpec.from_model(model)
-        self.trainer = Trainer(model, cfg.eval.batch_size)
-        init_model = self.trainer.export()
-        self.server = self.algorithm.server(
-            ServerContext(n, self.layers, init_model, cfg.train, cfg.seed), hp)
-        self.client = self.algorithm.client(
-            ClientContext(self.trainer, self.layers, cfg.train, self.dataset.num_classes, cfg.seed), hp)
+        parts = Parts.build(cfg, self.dataset)
+        self.layers, self.trainer, init_model = parts.layers, parts.trainer, parts.init_model
+        self.server = parts.server(n)
+        self.client = parts.client()
         self.clients = StackedStore(n)
         for cid in range(n):
             self.clients.set_row(cid, self.client.init_state(cid, init_model))
 
-        ds = self.dataset
-        self.train_data = [ClientData(ds.x_train, ds.y_train, idx) for idx in self.partition.train]
-        self.test_data = [(ds.x_test.index_select(0, idx), ds.y_test.index_select(0, idx))
-                          for idx in self.partition.test]
+        splits = [client_split(self.dataset, self.partition, cid) for cid in range(n)]
+        self.train_data = [train for train, _ in splits]
+        self.test_data = [test for _, test in splits]
         self.test_sizes = np.array([y.numel() for _, y in self.test_data])
         self.round = 0
         self.metrics: list[dict] = []
@@ -199,14 +272,8 @@ class Simulation:
             correct, loss = self.trainer.evaluate(state, x, y)
             accs.append(correct / y.numel())
             losses.append(loss / y.numel())
-        acc = np.array(accs)
-        ok = ~np.isnan(acc)
         self.client_acc = accs
-        return {"acc_mean": float(acc[ok].mean()),
-                "acc_weighted": float(np.average(acc[ok], weights=self.test_sizes[ok])),
-                "acc_std": float(acc[ok].std()),
-                "acc_min": float(acc[ok].min()),
-                "loss": float(np.nanmean(losses))}
+        return accuracy_row(accs, losses, self.test_sizes)
 
     # -- whole run ---------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -241,21 +308,11 @@ class Simulation:
 
     def summary(self) -> dict:
         cfg = self.cfg
-        evaluated = [r for r in self.metrics if not math.isnan(r["acc_mean"])]
-        best = max(evaluated, key=lambda r: r["acc_mean"]) if evaluated else None
-        final = evaluated[-1] if evaluated else None
         return {
             "algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
             "clients": self.num_clients, "rounds": self.round, "seed": cfg.seed,
             "participation": cfg.train.participation,
-            "acc_mean_best": best["acc_mean"] if best else None,
-            "best_round": best["round"] if best else None,
-            "acc_mean_final": final["acc_mean"] if final else None,
-            "acc_weighted_final": final["acc_weighted"] if final else None,
-            "acc_std_final": final["acc_std"] if final else None,
-            "acc_min_final": final["acc_min"] if final else None,
-            "final_round": final["round"] if final else None,
-            "acc_clients_final": self.client_acc,
+            **accuracy_summary(self.metrics, self.client_acc),
             "bytes_up_total": int(self.bytes_up.sum()),
             "bytes_down_total": int(self.bytes_down.sum()),
             "bytes_up_per_client": self.bytes_up.tolist(),

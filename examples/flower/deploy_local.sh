@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# A real Flower deployment on this machine: one SuperLink, one SuperNode per client (each
+# ClientApp in its own process), the app in this folder; then the same configuration in
+# edgepfl's simulation, and the two runs' figures side by side (they should be equal).
+#   examples/flower/deploy_local.sh        (from the repository root, with the venv active)
+# Uses a private FLWR_HOME under runs/flower-home and the ports 8000 (SuperLink) and
+# 9094.. (SuperNodes); everything it starts is stopped when it ends.
+set -euo pipefail
+app=$(cd "$(dirname "$0")" && pwd)
+root=$(pwd)
+export FLWR_HOME="$root/runs/flower-home"
+mkdir -p "$FLWR_HOME"
+cat > "$FLWR_HOME/config.toml" <<TOML
+[superlink]
+default = "local"
+
+[superlink.local]
+address = "127.0.0.1:8000"
+insecure = true
+TOML
+clients=$(python -c "import tomllib; print(tomllib.load(open('$app/pyproject.toml', 'rb'))['tool']['flwr']['app']['config']['partition.clients'])")
+pids=()
+# each in its own process group, so that stopping it stops the processes it spawned too
+trap 'for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
+# edgepfl is installed in this environment, so the apps need no per-run install
+setsid flower-superlink --insecure --disable-runtime-dependency-installation > "$FLWR_HOME/superlink.log" 2>&1 &
+pids+=($!)
+sleep 5
+for ((k = 0; k < clients; k++)); do
+  setsid flower-supernode --insecure --superlink 127.0.0.1:8000 --port $((9094 + k)) \
+    --node-config "partition-id=$k num-partitions=$clients" > "$FLWR_HOME/node$k.log" 2>&1 &
+  pids+=($!)
+done
+out="$root/runs/flower-kapc"
+rm -rf "$out" "$out-simulation"
+flwr run "$app" local --stream --run-config "out=\"$out\""
+python - "$app/pyproject.toml" "$out" <<'PY'
+import csv, sys, tomllib
+from edgepfl.config import build_config
+from edgepfl.engine.simulation import Simulation
+conf = tomllib.load(open(sys.argv[1], "rb"))["tool"]["flwr"]["app"]["config"]
+sets = [f"{k}={v}" for k, v in conf.items() if k not in ("out", "wait")]
+sim = Simulation(build_config({}, sets + ["output.plots=false"]), progress=False).run()
+flower = list(csv.DictReader(open(f"{sys.argv[2]}/metrics.csv")))
+print("round  acc_mean flower / simulation   bytes_up flower / simulation")
+for f, s in zip(flower, sim.metrics, strict=True):
+    print(f"{f['round']:>5}  {float(f['acc_mean']):.6f} / {s['acc_mean']:.6f}"
+          f"          {f['bytes_up']} / {s['bytes_up']}")
+PY

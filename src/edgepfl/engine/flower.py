@@ -1,0 +1,463 @@
+"""Flower deployment: an algorithm's Server and Client parts inside a Flower ServerApp and
+ClientApp, the same objects the simulation drives.
+
+What maps to what:
+
+* an edgepfl ``Message`` is a Flower ``RecordDict`` with an ``ArrayRecord`` (the tensors)
+  and a ``ConfigRecord`` (the metadata); the byte counts stay edgepfl's own
+  (``Message.nbytes``), so a deployment reports what the simulation reports;
+* a client id is a SuperNode whose node config names its partition (``partition-id``, as in
+  Flower's examples); the ServerApp asks every node once and refuses a federation whose
+  nodes do not cover clients 0..N-1 exactly once;
+* a round is the Flower message's ``group_id``;
+* what a client keeps between rounds lives in the node's ``Context.state`` and never
+  leaves it;
+* the configuration is the Flower run config: every key an edgepfl setting in dotted form
+  (``"train.rounds" = 50``), plus two of the ServerApp's own: ``out``, the folder where it
+  writes ``config.json``, ``metrics.csv`` and ``summary.json``, and ``wait``, how many
+  seconds it waits for the SuperNodes to connect (default 300).
+
+Client seeds are derived exactly as in the simulation (run seed, round, client), and each
+node loads the data set from its own ``dataset.root`` / ``EDGEPFL_DATA`` and takes its
+client's share of the seeded partition, so a deployment reproduces the simulation round
+for round (tested through ``LocalGrid``). The ServerApp loads the data set only for the
+model's input shape and class count; it reads no sample.
+
+Requires the optional dependency ``flwr`` (``pip install 'edgepfl[flower]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    from flwr.app import (
+        Array,
+        ArrayRecord,
+        ConfigRecord,
+        Context,
+        Error,
+        MetricRecord,
+        RecordDict,
+    )
+    from flwr.app import Message as FlowerMessage
+    from flwr.clientapp import ClientApp
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.common.serde import message_from_proto, message_to_proto
+    from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("edgepfl's Flower runtime needs flwr: pip install 'edgepfl[flower]'") from exc
+
+from edgepfl import __version__
+from edgepfl.config import Config, build_config
+from edgepfl.data.datasets import load_dataset
+from edgepfl.engine.io import write_csv, write_json
+from edgepfl.engine.messages import Message, MessageError
+from edgepfl.engine.progress import RoundProgress
+from edgepfl.engine.rng import derive_seed, generator, select_clients
+from edgepfl.engine.simulation import (
+    Parts,
+    accuracy_row,
+    accuracy_summary,
+    client_split,
+    load_federation,
+    resolve,
+)
+from edgepfl.errors import ConfigError, EdgepflError
+
+TENSORS = "edgepfl.tensors"
+META = "edgepfl.meta"
+STATS = "edgepfl.stats"
+STATE = "edgepfl.state"
+PARTITION_ID = "partition-id"
+OUT = "out"
+WAIT = "wait"
+COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "train_loss",
+           "bytes_up", "bytes_down", "clients", "wall_s"]
+
+
+# -- messages -----------------------------------------------------------------------------
+def to_content(msg: Message | None) -> RecordDict:
+    """An edgepfl message as Flower records (``None``, "nothing to send", as no records)."""
+    if msg is None:
+        return RecordDict()
+    try:
+        meta = ConfigRecord(dict(msg.meta))
+    except (TypeError, ValueError) as exc:
+        raise MessageError(f"message metadata cannot travel as a Flower ConfigRecord: {exc}") from None
+    tensors = ArrayRecord()
+    for name, value in msg.tensors.items():
+        tensors[name] = Array(value.detach().cpu().contiguous().numpy())
+    return RecordDict({TENSORS: tensors, META: meta})
+
+
+def from_content(content: RecordDict, optional: bool = False) -> Message | None:
+    """Flower records back into an edgepfl message; anything else is a ``MessageError``
+    (the records come from a peer). ``optional``: no records at all means ``None``."""
+    has = [k in content for k in (TENSORS, META)]
+    if not any(has) and optional:
+        return None
+    if not all(has):
+        raise MessageError(f"Flower message lacks the records {TENSORS!r} and {META!r}; it has "
+                           f"{sorted(content)}")
+    tensors, meta = content[TENSORS], content[META]
+    if not isinstance(tensors, ArrayRecord) or not isinstance(meta, ConfigRecord):
+        raise MessageError(f"Flower message records {TENSORS!r} / {META!r} are "
+                           f"{type(tensors).__name__} / {type(meta).__name__}, expected "
+                           "ArrayRecord / ConfigRecord")
+    out: dict[str, torch.Tensor] = {}
+    for name, array in tensors.items():
+        try:
+            out[name] = torch.from_numpy(np.array(array.numpy(), copy=True))
+        except (TypeError, ValueError) as exc:
+            raise MessageError(f"tensor {name!r} of a Flower message cannot be read: {exc}") from None
+    values = {k: (list(v) if isinstance(v, list) else v) for k, v in meta.items()}
+    if any(isinstance(v, bytes) or (isinstance(v, list) and any(isinstance(i, bytes) for i in v))
+           for v in values.values()):
+        raise MessageError("Flower message metadata holds bytes; edgepfl metadata is JSON scalars")
+    return Message(out, values)
+
+
+# -- configuration ------------------------------------------------------------------------
+def config_from_run(run_config: Mapping[str, Any]) -> Config:
+    """The edgepfl configuration in a Flower run config (flat dotted keys; ``out`` and
+    ``wait`` are the ServerApp's own)."""
+    nested: dict[str, Any] = {}
+    for key, value in run_config.items():
+        if key in (OUT, WAIT):
+            continue
+        parts = [p for p in str(key).split(".") if p]
+        if not parts:
+            raise ConfigError(f"Flower run config has an empty key {key!r}")
+        node = nested
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"Flower run config key {key!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return resolve(build_config(nested))
+
+
+def partition_id(context: Context, num_clients: int) -> int:
+    value = context.node_config.get(PARTITION_ID)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < num_clients:
+        raise ConfigError(f"SuperNode {context.node_id} has node config {PARTITION_ID}={value!r}; "
+                          f"it must be a client id 0..{num_clients - 1} "
+                          f"(flower-supernode --node-config '{PARTITION_ID}=0')")
+    return value
+
+
+# -- the client side ----------------------------------------------------------------------
+@dataclass
+class _Node:
+    parts: Parts
+    client: Any
+    train: Any
+    test: tuple[torch.Tensor, torch.Tensor]
+
+
+@lru_cache(maxsize=4)
+def _node(config_json: str, cid: int) -> _Node:
+    """One client's algorithm part and data, built once per process and configuration."""
+    cfg = build_config(json.loads(config_json))
+    dataset, partition = load_federation(cfg)
+    parts = Parts.build(cfg, dataset)
+    train, test = client_split(dataset, partition, cid)
+    return _Node(parts, parts.client(), train, test)
+
+
+def _client(context: Context) -> tuple[Config, int, _Node]:
+    cfg = config_from_run(context.run_config)
+    cid = partition_id(context, cfg.partition.clients)
+    return cfg, cid, _node(json.dumps(cfg.model_dump(), sort_keys=True), cid)
+
+
+def _state(context: Context, node: _Node, cid: int) -> dict[str, torch.Tensor]:
+    if STATE not in context.state:
+        return node.client.init_state(cid, node.parts.init_model)
+    return {k: torch.from_numpy(np.array(a.numpy(), copy=True))
+            for k, a in context.state[STATE].items()}
+
+
+def _round(message: FlowerMessage) -> int:
+    try:
+        rnd = int(message.metadata.group_id)
+    except ValueError:
+        rnd = 0
+    if rnd < 1:
+        raise MessageError(f"Flower message group_id {message.metadata.group_id!r} is not a round "
+                           "number (1, 2, ...)")
+    return rnd
+
+
+client_app = ClientApp()
+
+
+@client_app.query()
+def _query(message: FlowerMessage, context: Context) -> FlowerMessage:
+    cfg = config_from_run(context.run_config)
+    cid = partition_id(context, cfg.partition.clients)
+    return FlowerMessage(RecordDict({META: ConfigRecord({PARTITION_ID: cid})}), reply_to=message)
+
+
+@client_app.train()
+def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
+    cfg, cid, node = _client(context)
+    rnd = _round(message)
+    msg = from_content(message.content)
+    state = _state(context, node, cid)
+    torch.manual_seed(derive_seed(cfg.seed, "torch", rnd, cid))
+    result = node.client.update(cid, msg, state, node.train, generator(cfg.seed, "client", rnd, cid))
+    # entries a client does not return keep their value, as in the simulation's store
+    kept = {**state, **result.state}
+    context.state[STATE] = ArrayRecord(
+        {k: Array(v.detach().contiguous().numpy()) for k, v in kept.items()})
+    content = to_content(result.reply)
+    stats = {k: float(v) for k, v in result.stats.items() if math.isfinite(float(v))}
+    content[STATS] = MetricRecord({**stats, "num_samples": node.train.n})
+    return FlowerMessage(content, reply_to=message)
+
+
+@client_app.evaluate()
+def _evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
+    _, cid, node = _client(context)
+    eval_msg = from_content(message.content, optional=True)
+    x, y = node.test
+    correct, loss = 0, 0.0
+    if y.numel():
+        node.parts.trainer.forget()
+        model = node.client.personal_model(_state(context, node, cid), eval_msg)
+        correct, loss = node.parts.trainer.evaluate(model, x, y)
+    record = MetricRecord({"correct": int(correct), "count": int(y.numel()), "loss": float(loss)})
+    return FlowerMessage(RecordDict({STATS: record}), reply_to=message)
+
+
+# -- the server side ----------------------------------------------------------------------
+@dataclass
+class FlowerResult:
+    summary: dict
+    metrics: list[dict]
+    out_dir: Path | None
+
+
+def _exchange(grid: Grid, nodes: Mapping[int, int], contents: Mapping[int, RecordDict],
+              kind: str, group: str) -> dict[int, FlowerMessage]:
+    """Send one message per client and collect exactly one good reply from each."""
+    sent = [FlowerMessage(content, nodes[cid], kind, group_id=group)
+            for cid, content in contents.items()]
+    by_node = {node: cid for cid, node in nodes.items()}
+    replies: dict[int, FlowerMessage] = {}
+    for reply in grid.send_and_receive(sent):
+        cid = by_node.get(reply.metadata.src_node_id)
+        if cid is None or cid not in contents or cid in replies:
+            raise MessageError(f"unexpected {kind} reply from node {reply.metadata.src_node_id}")
+        if reply.has_error():
+            raise EdgepflError(f"client {cid} (node {reply.metadata.src_node_id}) failed its "
+                               f"{kind} message of round {group}: {reply.error.reason}")
+        replies[cid] = reply
+    missing = sorted(set(contents) - set(replies))
+    if missing:
+        raise EdgepflError(f"no {kind} reply in round {group} from clients {missing}")
+    return replies
+
+
+def discover(grid: Grid, num_clients: int, wait_s: float = 0.0) -> dict[int, int]:
+    """Client id -> node id, from every node's answer to a query, once ``num_clients``
+    nodes are connected or ``wait_s`` seconds have passed (SuperNodes join when they start)."""
+    deadline = time.monotonic() + wait_s
+    node_ids = sorted(grid.get_node_ids())
+    while len(node_ids) < num_clients and time.monotonic() < deadline:
+        time.sleep(1.0)
+        node_ids = sorted(grid.get_node_ids())
+    asked = [FlowerMessage(RecordDict(), node_id, "query", group_id="0") for node_id in node_ids]
+    nodes: dict[int, int] = {}
+    for reply in grid.send_and_receive(asked):
+        if reply.has_error():
+            raise EdgepflError(f"node {reply.metadata.src_node_id} failed to say its client id: "
+                               f"{reply.error.reason}")
+        cid = reply.content[META][PARTITION_ID]
+        if cid in nodes:
+            raise ConfigError(f"nodes {nodes[cid]} and {reply.metadata.src_node_id} both say "
+                              f"{PARTITION_ID}={cid}")
+        nodes[int(cid)] = reply.metadata.src_node_id
+    missing = sorted(set(range(num_clients)) - set(nodes))
+    if missing:
+        raise ConfigError(f"partition.clients={num_clients}, but no node serves clients {missing} "
+                          f"({len(node_ids)} nodes answered)")
+    return nodes
+
+
+def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None = False) -> FlowerResult:
+    """The ServerApp's round loop: the simulation's, with a Flower Grid as the link."""
+    cfg = config_from_run(run_config)
+    out = Path(str(run_config[OUT])) if run_config.get(OUT) else None
+    dataset = load_dataset(cfg.dataset.name, cfg.dataset.root, cfg.dataset.fraction, cfg.seed,
+                           cfg.dataset.download)
+    n = cfg.partition.clients
+    server = Parts.build(cfg, dataset).server(n)
+    nodes = discover(grid, n, float(run_config.get(WAIT, 300)))
+    if out is not None:
+        write_json(out / "config.json", cfg.model_dump())
+    metrics: list[dict] = []
+    client_acc: list[float] = []
+    bytes_up = bytes_down = 0
+    bar = RoundProgress(cfg.train.rounds, 0, f"{cfg.algorithm.name} on Flower", progress)
+    try:
+        for rnd in range(1, cfg.train.rounds + 1):
+            t0 = time.perf_counter()
+            selected = select_clients(cfg.seed, rnd, n, cfg.train.participation)
+            down = server.configure(rnd, selected)
+            if set(down) != set(selected):
+                raise MessageError(f"server configured clients {sorted(down)} but round {rnd} "
+                                   f"selected {selected}")
+            replies = _exchange(grid, nodes, {cid: to_content(down[cid]) for cid in selected},
+                                "train", str(rnd))
+            up = {cid: from_content(r.content) for cid, r in replies.items()}
+            server.aggregate(rnd, up)
+            losses = [(r.content[STATS].get("train_loss"), r.content[STATS]["num_samples"])
+                      for r in replies.values() if STATS in r.content]
+            losses = [(v, w) for v, w in losses if v is not None]
+            row: dict = {"round": rnd, "bytes_up": sum(m.nbytes for m in up.values()),
+                         "bytes_down": sum(down[cid].nbytes for cid in selected),
+                         "clients": len(selected),
+                         "train_loss": float(np.average([v for v, _ in losses],
+                                                        weights=[w for _, w in losses]))
+                         if losses else math.nan}
+            bytes_up += row["bytes_up"]
+            bytes_down += row["bytes_down"]
+            if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
+                evals = _exchange(grid, nodes, {cid: to_content(server.eval_message(cid))
+                                                for cid in range(n)}, "evaluate", str(rnd))
+                figures = [evals[cid].content[STATS] for cid in range(n)]
+                client_acc = [f["correct"] / f["count"] if f["count"] else math.nan for f in figures]
+                losses_eval = [f["loss"] / f["count"] if f["count"] else math.nan for f in figures]
+                row.update(accuracy_row(client_acc, losses_eval,
+                                        np.array([f["count"] for f in figures])))
+            else:
+                row.update(acc_mean=math.nan, acc_weighted=math.nan, acc_std=math.nan,
+                           acc_min=math.nan, loss=math.nan)
+            row["wall_s"] = time.perf_counter() - t0
+            metrics.append(row)
+            if out is not None:
+                write_csv(out / "metrics.csv", COLUMNS, metrics)
+            bar.update(rnd, row)
+    finally:
+        bar.close()
+    summary = {"algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name,
+               "model": cfg.model.name, "clients": n, "rounds": len(metrics), "seed": cfg.seed,
+               "participation": cfg.train.participation, "runtime": "flower",
+               **accuracy_summary(metrics, client_acc),
+               "bytes_up_total": bytes_up, "bytes_down_total": bytes_down,
+               "wall_time_s": sum(r["wall_s"] for r in metrics),
+               "edgepfl_version": __version__}
+    if out is not None:
+        write_json(out / "summary.json", summary)
+    return FlowerResult(summary, metrics, out)
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def _main(grid: Grid, context: Context) -> None:
+    run_server(grid, context.run_config, progress=None)
+
+
+# -- one process --------------------------------------------------------------------------
+class LocalGrid(Grid):
+    """A Flower ``Grid`` whose nodes are ClientApp calls in this process, each with its own
+    persistent ``Context``. Every message is turned into Flower's wire format (protobuf
+    bytes) and back on the way out and on the way in, as through a SuperLink, and a failing
+    ClientApp becomes an error reply, as on a SuperNode. Node ids are not the client ids, so
+    the server's node discovery is exercised too."""
+
+    def __init__(self, app: ClientApp, num_nodes: int, run_config: Mapping[str, Any]):
+        self.app = app
+        self.contexts = {
+            10_007 * (num_nodes - k): Context(run_id=1, node_id=10_007 * (num_nodes - k),
+                                              node_config={PARTITION_ID: k,
+                                                           "num-partitions": num_nodes},
+                                              state=RecordDict(), run_config=dict(run_config))
+            for k in range(num_nodes)}
+        self._run = Run.create_empty(1)
+        self._replies: dict[str, FlowerMessage] = {}
+
+    @staticmethod
+    def _wire(message: FlowerMessage) -> FlowerMessage:
+        return message_from_proto(ProtoMessage.FromString(message_to_proto(message).SerializeToString()))
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int,
+                       group_id: str, ttl: float | None = None) -> FlowerMessage:
+        return FlowerMessage(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[FlowerMessage]) -> Iterable[str]:
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            received = self._wire(message)
+            context = self.contexts[received.metadata.dst_node_id]
+            try:
+                reply = self.app(received, context)
+            except Exception as exc:  # a SuperNode turns a failing ClientApp into an error reply
+                reply = FlowerMessage(Error(code=1, reason=f"{type(exc).__name__}: {exc}"),
+                                      reply_to=received)
+            self._replies[message.metadata.message_id] = self._wire(reply)
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[FlowerMessage]:
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(self, messages: Iterable[FlowerMessage], *,
+                         timeout: float | None = None) -> Iterable[FlowerMessage]:
+        return self.pull_messages(self.push_messages(messages))
+
+
+@contextmanager
+def _server_identity() -> Iterator[None]:
+    """Flower stamps new messages with the identity of the process's task, which its
+    runtime sets for a real ServerApp; here this process plays the SuperLink's part."""
+    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 0
+    try:
+        yield
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def run_local(run_config: Mapping[str, Any], progress: bool | None = False,
+              app: ClientApp | None = None, num_nodes: int | None = None) -> FlowerResult:
+    """The Flower ServerApp and ClientApp in one process over a ``LocalGrid``, one node per
+    client unless ``num_nodes`` says otherwise: a check that a configuration runs on Flower
+    before deploying it."""
+    cfg = config_from_run(run_config)
+    nodes = cfg.partition.clients if num_nodes is None else num_nodes
+    grid = LocalGrid(client_app if app is None else app, nodes, run_config)
+    with _server_identity():
+        return run_server(grid, run_config, progress)

@@ -1,0 +1,187 @@
+"""The Flower runtime: records round-trip, the same run as the simulation, clear errors."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict  # noqa: E402
+from flwr.app import Message as FlowerMessage  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from edgepfl.engine.flower import (  # noqa: E402
+    META,
+    STATE,
+    TENSORS,
+    LocalGrid,
+    _server_identity,
+    client_app,
+    config_from_run,
+    from_content,
+    partition_id,
+    run_local,
+    to_content,
+)
+from edgepfl.engine.messages import Message, MessageError  # noqa: E402
+from edgepfl.engine.simulation import Simulation  # noqa: E402
+from edgepfl.errors import ConfigError, EdgepflError  # noqa: E402
+
+from .conftest import fast_config  # noqa: E402
+
+BASE = {"dataset.name": "synthetic", "partition.clients": 3, "train.rounds": 2,
+        "train.batch_size": 32, "train.local_epochs": 1, "train.lr": 0.05,
+        "output.plots": False, "system.count_flops": False}
+
+
+def run_config(**settings):
+    return {**BASE, **{k.replace("__", "."): v for k, v in settings.items()}}
+
+
+def test_message_round_trips_through_flower_wire_format():
+    msg = Message({"w": torch.randn(3, 4), "idx": torch.arange(5), "mask": torch.tensor([True, False]),
+                   "scalar": torch.tensor(2.5)},
+                  {"round": 3, "name": "kapc", "ok": True, "lr": 0.01, "layers": [1, 2, 4]})
+    with _server_identity():
+        wired = LocalGrid._wire(FlowerMessage(to_content(msg), 7, "train", group_id="1"))
+    back = from_content(wired.content)
+    assert back.meta == msg.meta
+    assert set(back.tensors) == set(msg.tensors)
+    for name, value in msg.tensors.items():
+        assert back.tensors[name].dtype == value.dtype
+        assert torch.equal(back.tensors[name], value)
+    assert back.nbytes == msg.nbytes  # so a deployment reports the simulation's bytes
+    # "nothing to send" stays distinct from an empty message
+    assert from_content(to_content(None), optional=True) is None
+    assert from_content(to_content(Message()), optional=True) == Message()
+
+
+def test_malformed_records_are_message_errors():
+    with pytest.raises(MessageError, match="lacks the records"):
+        from_content(RecordDict())
+    with pytest.raises(MessageError, match="lacks the records"):
+        from_content(RecordDict({TENSORS: ArrayRecord()}))
+    with pytest.raises(MessageError, match="ArrayRecord / ConfigRecord"):
+        from_content(RecordDict({TENSORS: ConfigRecord({"a": 1}), META: ConfigRecord()}))
+    with pytest.raises(MessageError, match="bytes"):
+        from_content(RecordDict({TENSORS: ArrayRecord(), META: ConfigRecord({"b": b"\x00"})}))
+
+
+def test_run_config_is_the_dotted_edgepfl_config():
+    cfg = config_from_run({"algorithm.name": "fedprox", "algorithm.mu": 0.1, "train.rounds": 7,
+                           "out": "runs/x"})
+    assert (cfg.algorithm.name, cfg.algorithm.hyperparameters()["mu"], cfg.train.rounds) == \
+        ("fedprox", 0.1, 7)
+    with pytest.raises(ConfigError, match="train.rounds"):
+        config_from_run({"train.rounds": 0})
+    with pytest.raises(ConfigError, match="unknown algorithm|nosuch"):
+        config_from_run({"algorithm.name": "nosuch"})
+
+
+def test_partition_id_names_the_node_config():
+    ctx = Context(run_id=1, node_id=42, node_config={"partition-id": 5}, state=RecordDict(),
+                  run_config={})
+    with pytest.raises(ConfigError, match=r"42 has node config partition-id=5.*0\.\.2"):
+        partition_id(ctx, 3)
+    ctx.node_config = {}
+    with pytest.raises(ConfigError, match="partition-id=None"):
+        partition_id(ctx, 3)
+    ctx.node_config = {"partition-id": 2}
+    assert partition_id(ctx, 3) == 2
+
+
+@pytest.mark.parametrize("algorithm,extra", [
+    ("kapc", {}),                                # server relation cube + client personal model
+    ("moon", {}),                                # previous local model kept on the client
+    ("pfedla", {"train.participation": 0.67}),   # per-client hypernetworks, sampled clients
+])
+def test_flower_run_equals_the_simulation(algorithm, extra):
+    """The same algorithm objects, seeds and data: every round's figures are identical."""
+    rc = run_config(algorithm__name=algorithm, **{k.replace(".", "__"): v for k, v in extra.items()})
+    sets = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in rc.items()]
+    sim = Simulation(fast_config(*sets), progress=False).run()
+    flower = run_local(rc)
+    assert len(flower.metrics) == len(sim.metrics) == 2
+    for ours, theirs in zip(flower.metrics, sim.metrics, strict=True):
+        for key in ("acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "train_loss",
+                    "bytes_up", "bytes_down", "clients"):
+            assert ours[key] == theirs[key], (algorithm, ours["round"], key)
+    assert flower.summary["acc_clients_final"] == sim.client_accuracy
+    assert flower.summary["acc_mean_best"] == sim.summary["acc_mean_best"]
+
+
+def test_client_state_stays_on_its_node(monkeypatch):
+    """KAPC keeps the personal model on the client: it lives in the node's Context.state
+    and no train reply carries it."""
+    contexts, seen = {}, []
+    real_init = LocalGrid.__init__
+
+    def spy_init(self, app, num_nodes, rc):
+        real_init(self, app, num_nodes, rc)
+        contexts.update(self.contexts)
+
+    real_wire = LocalGrid._wire
+    monkeypatch.setattr(LocalGrid, "__init__", spy_init)
+    monkeypatch.setattr(LocalGrid, "_wire", staticmethod(
+        lambda m: seen.append(m) or real_wire(m)))
+    run_local(run_config(algorithm__name="kapc"))
+    states = [ctx.state[STATE] for ctx in contexts.values()]
+    assert len(states) == 3 and all(any(k.startswith("model.") for k in s) for s in states)
+    replies = [m for m in seen if m.metadata.reply_to_message_id and m.has_content()]
+    assert replies and all(STATE not in m.content for m in replies)
+
+
+def test_run_directory_from_out(tmp_path):
+    result = run_local(run_config(algorithm__name="fedavg", out=str(tmp_path / "run")))
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["runtime"] == "flower"
+    assert json.loads((run / "config.json").read_text())["algorithm"]["name"] == "fedavg"
+    rows = (run / "metrics.csv").read_text().strip().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("round,acc_mean")
+    best = max(r["acc_mean"] for r in result.metrics)
+    assert summary["acc_mean_best"] == best
+    assert summary["acc_mean_final"] == result.metrics[-1]["acc_mean"]
+    assert summary["bytes_up_total"] == sum(r["bytes_up"] for r in result.metrics) > 0
+
+
+def test_missing_or_duplicate_nodes_are_refused():
+    with pytest.raises(ConfigError, match=r"no node serves clients \[2\]"):
+        run_local(run_config(algorithm__name="fedavg"), num_nodes=2)
+
+    def twin(message, context):  # every node claims client 0
+        context.node_config = {"partition-id": 0}
+        return client_app(message, context)
+
+    with pytest.raises(ConfigError, match="both say partition-id=0"):
+        run_local(run_config(algorithm__name="fedavg"), app=twin)
+
+
+def test_failing_client_is_named_with_its_reason():
+    app = ClientApp()
+
+    @app.query()
+    def query(message, context):
+        return client_app(message, context)
+
+    @app.train()
+    def train(message, context):
+        if context.node_config["partition-id"] == 1:
+            raise RuntimeError("disk full")
+        return client_app(message, context)
+
+    with pytest.raises(EdgepflError, match=r"client 1 \(node \d+\) failed its train message of "
+                                           r"round 1: RuntimeError: disk full"):
+        run_local(run_config(algorithm__name="fedavg"), app=app)
+
+
+def test_train_message_without_a_round_is_refused():
+    rc = run_config(algorithm__name="fedavg")
+    ctx = Context(run_id=1, node_id=9, node_config={"partition-id": 0}, state=RecordDict(),
+                  run_config=rc)
+    with _server_identity():
+        msg = FlowerMessage(to_content(Message({"w": torch.zeros(1)})), 9, "train", group_id="x")
+    msg.metadata.__dict__["_message_id"] = "m1"
+    with pytest.raises(MessageError, match="group_id 'x' is not a round"):
+        client_app(LocalGrid._wire(msg), ctx)
