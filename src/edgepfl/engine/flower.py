@@ -64,8 +64,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("edgepfl's Flower runtime needs flwr: pip install 'edgepfl[flower]'") from exc
 
 from edgepfl import __version__
+from edgepfl.algorithms.base import Client
+from edgepfl.algorithms.training import ClientData
 from edgepfl.config import Config, build_config
-from edgepfl.data.datasets import load_dataset
+from edgepfl.data.datasets import Dataset, load_dataset
+from edgepfl.data.partition import Partition
 from edgepfl.engine.io import write_csv, write_json
 from edgepfl.engine.messages import Message, MessageError
 from edgepfl.engine.progress import RoundProgress
@@ -166,26 +169,31 @@ def partition_id(context: Context, num_clients: int) -> int:
 # -- the client side ----------------------------------------------------------------------
 @dataclass
 class _Node:
+    """What a process serving clients builds once per configuration: the data, and one
+    algorithm client part (it keeps no per-client memory, as in the simulation, so one
+    serves every client a process hosts)."""
+
     parts: Parts
-    client: Any
-    train: Any
-    test: tuple[torch.Tensor, torch.Tensor]
+    client: Client
+    dataset: Dataset
+    partition: Partition
+
+    def split(self, cid: int) -> tuple[ClientData, tuple[torch.Tensor, torch.Tensor]]:
+        return client_split(self.dataset, self.partition, cid)
 
 
-@lru_cache(maxsize=4)
-def _node(config_json: str, cid: int) -> _Node:
-    """One client's algorithm part and data, built once per process and configuration."""
+@lru_cache(maxsize=2)
+def _node(config_json: str) -> _Node:
     cfg = build_config(json.loads(config_json))
     dataset, partition = load_federation(cfg)
     parts = Parts.build(cfg, dataset)
-    train, test = client_split(dataset, partition, cid)
-    return _Node(parts, parts.client(), train, test)
+    return _Node(parts, parts.client(), dataset, partition)
 
 
 def _client(context: Context) -> tuple[Config, int, _Node]:
     cfg = config_from_run(context.run_config)
     cid = partition_id(context, cfg.partition.clients)
-    return cfg, cid, _node(json.dumps(cfg.model_dump(), sort_keys=True), cid)
+    return cfg, cid, _node(json.dumps(cfg.model_dump(), sort_keys=True))
 
 
 def _state(context: Context, node: _Node, cid: int) -> dict[str, torch.Tensor]:
@@ -223,14 +231,15 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     msg = from_content(message.content)
     state = _state(context, node, cid)
     torch.manual_seed(derive_seed(cfg.seed, "torch", rnd, cid))
-    result = node.client.update(cid, msg, state, node.train, generator(cfg.seed, "client", rnd, cid))
+    train, _ = node.split(cid)
+    result = node.client.update(cid, msg, state, train, generator(cfg.seed, "client", rnd, cid))
     # entries a client does not return keep their value, as in the simulation's store
     kept = {**state, **result.state}
     context.state[STATE] = ArrayRecord(
         {k: Array(v.detach().contiguous().numpy()) for k, v in kept.items()})
     content = to_content(result.reply)
     stats = {k: float(v) for k, v in result.stats.items() if math.isfinite(float(v))}
-    content[STATS] = MetricRecord({**stats, "num_samples": node.train.n})
+    content[STATS] = MetricRecord({**stats, "num_samples": train.n})
     return FlowerMessage(content, reply_to=message)
 
 
@@ -238,7 +247,7 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
 def _evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     _, cid, node = _client(context)
     eval_msg = from_content(message.content, optional=True)
-    x, y = node.test
+    _, (x, y) = node.split(cid)
     correct, loss = 0, 0.0
     if y.numel():
         node.parts.trainer.forget()
