@@ -126,17 +126,22 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"--set {item!r} is not of the form key=value (e.g. train.rounds=10)")
         key, _, raw = item.partition("=")
-        parts = [p for p in key.strip().split(".") if p]
-        if not parts:
-            raise ConfigError(f"--set {item!r} has an empty key")
-        node = data
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section")
-            node = child
-        node[parts[-1]] = parse_value(raw.strip())
+        set_dotted(data, key, parse_value(raw.strip()), f"--set {item!r}")
     return data
+
+
+def set_dotted(data: dict, key: str, value: Any, what: str) -> None:
+    """Set ``a.b.c`` in a nested dict in place; ``what`` names the setting in errors."""
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"{what} has an empty key")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{what}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
 
 
 def load_toml(path: str | Path) -> dict:

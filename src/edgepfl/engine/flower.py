@@ -66,7 +66,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from edgepfl import __version__
 from edgepfl.algorithms.base import Client
 from edgepfl.algorithms.training import ClientData
-from edgepfl.config import Config, build_config
+from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.data.datasets import Dataset, load_dataset
 from edgepfl.data.partition import Partition
 from edgepfl.engine.io import write_csv, write_json
@@ -142,18 +142,8 @@ def config_from_run(run_config: Mapping[str, Any]) -> Config:
     ``wait`` are the ServerApp's own)."""
     nested: dict[str, Any] = {}
     for key, value in run_config.items():
-        if key in (OUT, WAIT):
-            continue
-        parts = [p for p in str(key).split(".") if p]
-        if not parts:
-            raise ConfigError(f"Flower run config has an empty key {key!r}")
-        node = nested
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"Flower run config key {key!r}: {part!r} is a value, not a section")
-            node = child
-        node[parts[-1]] = value
+        if key not in (OUT, WAIT):
+            set_dotted(nested, str(key), value, f"Flower run config key {key!r}")
     return resolve(build_config(nested))
 
 
