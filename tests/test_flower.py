@@ -66,6 +66,9 @@ def test_malformed_records_are_message_errors():
         from_content(RecordDict({TENSORS: ConfigRecord({"a": 1}), META: ConfigRecord()}))
     with pytest.raises(MessageError, match="bytes"):
         from_content(RecordDict({TENSORS: ArrayRecord(), META: ConfigRecord({"b": b"\x00"})}))
+    # Flower's lists hold one type; edgepfl's may mix, and such a message cannot travel
+    with pytest.raises(MessageError, match="cannot travel as a Flower ConfigRecord"):
+        to_content(Message({}, {"mixed": [1, 2.5]}))
 
 
 def test_run_config_is_the_dotted_edgepfl_config():
