@@ -188,3 +188,22 @@ def test_train_message_without_a_round_is_refused():
     msg.metadata.__dict__["_message_id"] = "m1"
     with pytest.raises(MessageError, match="group_id 'x' is not a round"):
         client_app(LocalGrid._wire(msg), ctx)
+
+
+def test_reply_without_its_figures_is_a_message_error():
+    app = ClientApp()
+
+    @app.query()
+    def query(message, context):
+        return client_app(message, context)
+
+    @app.train()
+    def train(message, context):
+        return client_app(message, context)
+
+    @app.evaluate()
+    def evaluate(message, context):  # a peer that answers with nothing
+        return FlowerMessage(RecordDict(), reply_to=message)
+
+    with pytest.raises(MessageError, match=r"client \d's evaluate reply lacks the MetricRecord"):
+        run_local(run_config(algorithm__name="fedavg"), app=app)

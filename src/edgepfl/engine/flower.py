@@ -276,6 +276,15 @@ def _exchange(grid: Grid, nodes: Mapping[int, int], contents: Mapping[int, Recor
     return replies
 
 
+def _figures(reply: FlowerMessage, cid: int, *keys: str) -> MetricRecord:
+    """The figures a client reports beside its message, checked: a peer's reply."""
+    record = reply.content.get(STATS) if reply.has_content() else None
+    if not isinstance(record, MetricRecord) or any(k not in record for k in keys):
+        raise MessageError(f"client {cid}'s {reply.metadata.message_type} reply lacks the "
+                           f"MetricRecord {STATS!r} with {list(keys)}")
+    return record
+
+
 def discover(grid: Grid, num_clients: int, wait_s: float = 0.0) -> dict[int, int]:
     """Client id -> node id, from every node's answer to a query, once ``num_clients``
     nodes are connected or ``wait_s`` seconds have passed (SuperNodes join when they start)."""
@@ -290,7 +299,11 @@ def discover(grid: Grid, num_clients: int, wait_s: float = 0.0) -> dict[int, int
         if reply.has_error():
             raise EdgepflError(f"node {reply.metadata.src_node_id} failed to say its client id: "
                                f"{reply.error.reason}")
-        cid = reply.content[META][PARTITION_ID]
+        said = reply.content.get(META) if reply.has_content() else None
+        cid = said.get(PARTITION_ID) if isinstance(said, ConfigRecord) else None
+        if isinstance(cid, bool) or not isinstance(cid, int):
+            raise MessageError(f"node {reply.metadata.src_node_id} answered the query without "
+                               f"an integer {PARTITION_ID}")
         if cid in nodes:
             raise ConfigError(f"nodes {nodes[cid]} and {reply.metadata.src_node_id} both say "
                               f"{PARTITION_ID}={cid}")
@@ -329,9 +342,8 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
                                 "train", str(rnd))
             up = {cid: from_content(r.content) for cid, r in replies.items()}
             server.aggregate(rnd, up)
-            losses = [(r.content[STATS].get("train_loss"), r.content[STATS]["num_samples"])
-                      for r in replies.values() if STATS in r.content]
-            losses = [(v, w) for v, w in losses if v is not None]
+            stats = [_figures(r, cid, "num_samples") for cid, r in replies.items()]
+            losses = [(f["train_loss"], f["num_samples"]) for f in stats if "train_loss" in f]
             row: dict = {"round": rnd, "bytes_up": sum(m.nbytes for m in up.values()),
                          "bytes_down": sum(down[cid].nbytes for cid in selected),
                          "clients": len(selected),
@@ -343,7 +355,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
                 evals = _exchange(grid, nodes, {cid: to_content(server.eval_message(cid))
                                                 for cid in range(n)}, "evaluate", str(rnd))
-                figures = [evals[cid].content[STATS] for cid in range(n)]
+                figures = [_figures(evals[cid], cid, "correct", "count", "loss") for cid in range(n)]
                 client_acc = [f["correct"] / f["count"] if f["count"] else math.nan for f in figures]
                 losses_eval = [f["loss"] / f["count"] if f["count"] else math.nan for f in figures]
                 row.update(accuracy_row(client_acc, losses_eval,
