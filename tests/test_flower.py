@@ -161,19 +161,21 @@ def test_missing_or_duplicate_nodes_are_refused():
         run_local(run_config(algorithm__name="fedavg"), app=twin)
 
 
-def test_failing_client_is_named_with_its_reason():
+def app_with(**handlers):
+    """A ClientApp that is edgepfl's except for the given message types."""
     app = ClientApp()
+    for kind in ("query", "train", "evaluate"):
+        getattr(app, kind)()(handlers.get(kind, client_app))
+    return app
 
-    @app.query()
-    def query(message, context):
-        return client_app(message, context)
 
-    @app.train()
+def test_failing_client_is_named_with_its_reason():
     def train(message, context):
         if context.node_config["partition-id"] == 1:
             raise RuntimeError("disk full")
         return client_app(message, context)
 
+    app = app_with(train=train)
     with pytest.raises(EdgepflError, match=r"client 1 \(node \d+\) failed its train message of "
                                            r"round 1: RuntimeError: disk full"):
         run_local(run_config(algorithm__name="fedavg"), app=app)
@@ -191,19 +193,9 @@ def test_train_message_without_a_round_is_refused():
 
 
 def test_reply_without_its_figures_is_a_message_error():
-    app = ClientApp()
-
-    @app.query()
-    def query(message, context):
-        return client_app(message, context)
-
-    @app.train()
-    def train(message, context):
-        return client_app(message, context)
-
-    @app.evaluate()
     def evaluate(message, context):  # a peer that answers with nothing
         return FlowerMessage(RecordDict(), reply_to=message)
 
+    app = app_with(evaluate=evaluate)
     with pytest.raises(MessageError, match=r"client \d's evaluate reply lacks the MetricRecord"):
         run_local(run_config(algorithm__name="fedavg"), app=app)
