@@ -21,7 +21,7 @@ Client seeds are derived exactly as in the simulation (run seed, round, client),
 node loads the data set from its own ``dataset.root`` / ``EDGEPFL_DATA`` and takes its
 client's share of the seeded partition, so a deployment reproduces the simulation round
 for round (tested through ``LocalGrid``). The ServerApp loads the data set only for the
-model's input shape and class count; it reads no sample.
+model's input shape and class count; it uses no sample.
 
 Requires the optional dependency ``flwr`` (``pip install 'edgepfl[flower]'``).
 """
