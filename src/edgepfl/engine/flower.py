@@ -328,7 +328,6 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
         write_json(out / "config.json", cfg.model_dump())
     metrics: list[dict] = []
     client_acc: list[float] = []
-    bytes_up = bytes_down = 0
     bar = RoundProgress(cfg.train.rounds, 0, f"{cfg.algorithm.name} on Flower", progress)
     try:
         for rnd in range(1, cfg.train.rounds + 1):
@@ -350,8 +349,6 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
                          "train_loss": float(np.average([v for v, _ in losses],
                                                         weights=[w for _, w in losses]))
                          if losses else math.nan}
-            bytes_up += row["bytes_up"]
-            bytes_down += row["bytes_down"]
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
                 evals = _exchange(grid, nodes, {cid: to_content(server.eval_message(cid))
                                                 for cid in range(n)}, "evaluate", str(rnd))
@@ -374,7 +371,8 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
                "model": cfg.model.name, "clients": n, "rounds": len(metrics), "seed": cfg.seed,
                "participation": cfg.train.participation, "runtime": "flower",
                **accuracy_summary(metrics, client_acc),
-               "bytes_up_total": bytes_up, "bytes_down_total": bytes_down,
+               "bytes_up_total": sum(r["bytes_up"] for r in metrics),
+               "bytes_down_total": sum(r["bytes_down"] for r in metrics),
                "wall_time_s": sum(r["wall_s"] for r in metrics),
                "edgepfl_version": __version__}
     if out is not None:

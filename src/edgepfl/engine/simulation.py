@@ -174,12 +174,11 @@ class Simulation:
         self.cfg = cfg = resolve(cfg)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress
-        self.algorithm = get_algorithm(cfg.algorithm.name)
-
         self.dataset, self.partition = load_federation(cfg, dataset, partition)
         n = self.num_clients = self.partition.num_clients
 
         parts = Parts.build(cfg, self.dataset)
+        self.algorithm = parts.algorithm
         self.layers, self.trainer, init_model = parts.layers, parts.trainer, parts.init_model
         self.server = parts.server(n)
         self.client = parts.client()
