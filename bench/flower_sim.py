@@ -107,8 +107,10 @@ def edgepfl_on_flower(conf: dict, rounds: int, cpus: float) -> tuple[list[float]
 
     t0 = time.perf_counter()
     run_simulation(server, _Configured(conf), CLIENTS, backend_config=_backend(cpus))
-    total = time.perf_counter() - t0
-    return [r["wall_s"] for r in result["run"].metrics[:rounds]], total
+    metrics = result["run"].metrics
+    # the run's one more round (with the evaluation) is not part of the other rows' runs
+    total = time.perf_counter() - t0 - metrics[rounds]["wall_s"]
+    return [r["wall_s"] for r in metrics[:rounds]], total
 
 
 def flower(conf: dict, rounds: int, cpus: float) -> tuple[list[float], float]:
@@ -166,6 +168,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1],
                     help="torch threads of edgepfl's simulation (one run each)")
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error(f"--rounds {args.rounds}: at least 2 (the first round is start-up and not timed)")
     conf = settings(args.rounds, args.fraction)
     rows = []
     for threads in args.threads:

@@ -1,6 +1,7 @@
 """The Flower runtime: records round-trip, the same run as the simulation, clear errors."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -11,9 +12,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict  # noqa: E40
 from flwr.app import Message as FlowerMessage  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
+from edgepfl.algorithms import get_algorithm  # noqa: E402
+from edgepfl.engine import flower  # noqa: E402
 from edgepfl.engine.flower import (  # noqa: E402
+    COLUMNS,
     META,
     STATE,
+    STATS,
     TENSORS,
     LocalGrid,
     _server_identity,
@@ -25,7 +30,7 @@ from edgepfl.engine.flower import (  # noqa: E402
     to_content,
 )
 from edgepfl.engine.messages import Message, MessageError  # noqa: E402
-from edgepfl.engine.simulation import Simulation  # noqa: E402
+from edgepfl.engine.simulation import METRIC_COLUMNS, Simulation  # noqa: E402
 from edgepfl.errors import ConfigError, EdgepflError  # noqa: E402
 
 from .conftest import fast_config  # noqa: E402
@@ -94,24 +99,37 @@ def test_partition_id_names_the_node_config():
     assert partition_id(ctx, 3) == 2
 
 
-@pytest.mark.parametrize("algorithm,extra", [
-    ("kapc", {}),                                # server relation cube + client personal model
-    ("moon", {}),                                # previous local model kept on the client
-    ("pfedla", {"train.participation": 0.67}),   # per-client hypernetworks, sampled clients
+class ReversedGrid(LocalGrid):
+    """Replies come back last-sent first, as a real SuperLink may return them in any order."""
+
+    def pull_messages(self, message_ids):
+        return list(reversed(super().pull_messages(message_ids)))
+
+
+@pytest.mark.parametrize("algorithm,extra,grid", [
+    ("kapc", {}, LocalGrid),                              # relation cube + client personal model
+    ("moon", {}, LocalGrid),                              # previous local model on the client
+    ("pfedla", {"train.participation": 0.67}, LocalGrid),  # hypernetworks, sampled clients
+    ("fedavg", {"partition.clients": 4}, ReversedGrid),    # replies out of order
 ])
-def test_flower_run_equals_the_simulation(algorithm, extra):
-    """The same algorithm objects, seeds and data: every round's figures are identical."""
-    rc = run_config(algorithm__name=algorithm, **{k.replace(".", "__"): v for k, v in extra.items()})
+def test_flower_run_equals_the_simulation(algorithm, extra, grid, monkeypatch):
+    """The same algorithm objects, seeds and data: every round's figures are identical,
+    whatever order the replies arrive in."""
+    monkeypatch.setattr(flower, "LocalGrid", grid)
+    rc = {**run_config(algorithm__name=algorithm), **extra}
     sets = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in rc.items()]
     sim = Simulation(fast_config(*sets), progress=False).run()
-    flower = run_local(rc)
-    assert len(flower.metrics) == len(sim.metrics) == 2
-    for ours, theirs in zip(flower.metrics, sim.metrics, strict=True):
+    result = run_local(rc)
+    assert len(result.metrics) == len(sim.metrics) == 2
+    algorithm_figures = set(sim.metrics[-1]) - set(METRIC_COLUMNS)
+    assert set(result.metrics[-1]) == set(COLUMNS) | algorithm_figures
+    for ours, theirs in zip(result.metrics, sim.metrics, strict=True):
         for key in ("acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "train_loss",
-                    "bytes_up", "bytes_down", "clients"):
+                    "bytes_up", "bytes_down", "clients", *algorithm_figures):
             assert ours[key] == theirs[key], (algorithm, ours["round"], key)
-    assert flower.summary["acc_clients_final"] == sim.client_accuracy
-    assert flower.summary["acc_mean_best"] == sim.summary["acc_mean_best"]
+    for key in ("acc_clients_final", "acc_mean_best", "bytes_up_per_client",
+                "bytes_down_per_client", "server_state_bytes", "model_params", "layers"):
+        assert result.summary[key] == sim.summary[key], key
 
 
 def test_client_state_stays_on_its_node(monkeypatch):
@@ -132,21 +150,71 @@ def test_client_state_stays_on_its_node(monkeypatch):
     states = [ctx.state[STATE] for ctx in contexts.values()]
     assert len(states) == 3 and all(any(k.startswith("model.") for k in s) for s in states)
     replies = [m for m in seen if m.metadata.reply_to_message_id and m.has_content()]
-    assert replies and all(STATE not in m.content for m in replies)
+    train = [m for m in replies if m.metadata.message_type == "train"]
+    assert len(train) == 6  # 3 clients, 2 rounds
+    # a reply holds the protocol's records and nothing else ...
+    assert all(set(m.content) <= {TENSORS, META, STATS} for m in replies)
+    # ... and its tensors are what the simulation's client sends, not the kept state
+    sim = Simulation(fast_config(*[f"{k}={v}" for k, v in run_config(algorithm__name="kapc").items()]),
+                     progress=False)
+    sent_in_simulation = {}
+    real_aggregate = sim.server.aggregate
+
+    def spy_aggregate(rnd, up):
+        sent_in_simulation.update({cid: set(m.tensors) for cid, m in up.items()})
+        return real_aggregate(rnd, up)
+
+    sim.server.aggregate = spy_aggregate
+    sim.step()
+    for m in train[:3]:  # round 1
+        cid = contexts[m.metadata.src_node_id].node_config["partition-id"]
+        assert set(m.content[TENSORS]) == sent_in_simulation[cid]
 
 
 def test_run_directory_from_out(tmp_path):
-    result = run_local(run_config(algorithm__name="fedavg", out=str(tmp_path / "run")))
     run = tmp_path / "run"
+    result = run_local(run_config(algorithm__name="kapc", out=str(run)))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["runtime"] == "flower"
-    assert json.loads((run / "config.json").read_text())["algorithm"]["name"] == "fedavg"
+    assert json.loads((run / "config.json").read_text())["algorithm"]["name"] == "kapc"
     rows = (run / "metrics.csv").read_text().strip().splitlines()
     assert len(rows) == 3 and rows[0].startswith("round,acc_mean")
+    assert "layers_up_mean" in rows[0].split(",")  # the algorithm's own figures
+    assert (run / "relation_cube.safetensors").exists()  # and its artifacts
     best = max(r["acc_mean"] for r in result.metrics)
     assert summary["acc_mean_best"] == best
     assert summary["acc_mean_final"] == result.metrics[-1]["acc_mean"]
     assert summary["bytes_up_total"] == sum(r["bytes_up"] for r in result.metrics) > 0
+    # a second run into the same folder is refused before it writes anything
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    with pytest.raises(EdgepflError, match="already holds a run"):
+        run_local(run_config(algorithm__name="fedavg", out=str(run)))
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+@pytest.mark.parametrize("key,value", [("wait", "soon"), ("timeout", -1), ("timeout", True)])
+def test_bad_server_settings_are_config_errors(key, value):
+    with pytest.raises(ConfigError, match=rf"{key}={value!r}: it must be a number of seconds"):
+        run_local(run_config(algorithm__name="fedavg", **{key: value}))
+
+
+def test_diverging_client_shows_as_nan_train_loss(monkeypatch):
+    """As in the simulation, one client's NaN loss makes the round's train loss NaN rather
+    than the average of the others."""
+    client_class = get_algorithm("fedavg").client
+    real_update = client_class.update
+
+    def update(self, cid, msg, state, data, gen):
+        result = real_update(self, cid, msg, state, data, gen)
+        if cid == 2:
+            result.stats["train_loss"] = float("nan")
+        return result
+
+    monkeypatch.setattr(client_class, "update", update)
+    flower._node.cache_clear()
+    result = run_local(run_config(algorithm__name="fedavg"))
+    flower._node.cache_clear()
+    assert all(math.isnan(r["train_loss"]) for r in result.metrics)
 
 
 def test_missing_or_duplicate_nodes_are_refused():

@@ -13,9 +13,11 @@ What maps to what:
 * what a client keeps between rounds lives in the node's ``Context.state`` and never
   leaves it;
 * the configuration is the Flower run config: every key an edgepfl setting in dotted form
-  (``"train.rounds" = 50``), plus two of the ServerApp's own: ``out``, the folder where it
-  writes ``config.json``, ``metrics.csv`` and ``summary.json``, and ``wait``, how many
-  seconds it waits for the SuperNodes to connect (default 300).
+  (``"train.rounds" = 50``), plus three of the ServerApp's own: ``out``, the folder where
+  it writes ``config.json``, ``metrics.csv``, ``summary.json`` and the algorithm's
+  artifacts (never over an earlier run), ``wait``, how many seconds it waits for the
+  SuperNodes to connect (default 300), and ``timeout``, how many seconds it waits for a
+  round's replies (default 3600).
 
 Client seeds are derived exactly as in the simulation (run seed, round, client), and each
 node loads the data set from its own ``dataset.root`` / ``EDGEPFL_DATA`` and takes its
@@ -37,7 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,14 +57,12 @@ try:
     )
     from flwr.app import Message as FlowerMessage
     from flwr.clientapp import ClientApp
-    from flwr.common.constant import SUPERLINK_NODE_ID
-    from flwr.common.serde import message_from_proto, message_to_proto
-    from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
     from flwr.serverapp import Grid, ServerApp
-    from flwr.supercore.run import Run
-    from flwr.supercore.task_identity import TaskIdentity
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("edgepfl's Flower runtime needs flwr: pip install 'edgepfl[flower]'") from exc
+    raise ImportError(f"edgepfl's Flower runtime needs flwr: pip install 'edgepfl[flower]' ({exc})") from exc
+
+if TYPE_CHECKING:
+    from flwr.supercore.run import Run
 
 from edgepfl import __version__
 from edgepfl.algorithms.base import Client
@@ -74,14 +75,18 @@ from edgepfl.engine.messages import Message, MessageError
 from edgepfl.engine.progress import RoundProgress
 from edgepfl.engine.rng import derive_seed, generator, select_clients
 from edgepfl.engine.simulation import (
+    METRIC_COLUMNS,
     Parts,
     accuracy_row,
     accuracy_summary,
     client_split,
+    finish_run_dir,
     load_federation,
+    metric_columns,
     resolve,
 )
 from edgepfl.errors import ConfigError, EdgepflError
+from edgepfl.system import COST_COLUMNS, state_bytes
 
 TENSORS = "edgepfl.tensors"
 META = "edgepfl.meta"
@@ -90,8 +95,10 @@ STATE = "edgepfl.state"
 PARTITION_ID = "partition-id"
 OUT = "out"
 WAIT = "wait"
-COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "train_loss",
-           "bytes_up", "bytes_down", "clients", "wall_s"]
+TIMEOUT = "timeout"
+SERVER_KEYS = {OUT: None, WAIT: 300.0, TIMEOUT: 3600.0}  # the ServerApp's own, with defaults
+# a deployment's time is real: no simulated network or compute costs
+COLUMNS = [c for c in METRIC_COLUMNS if c not in COST_COLUMNS]
 
 
 # -- messages -----------------------------------------------------------------------------
@@ -138,13 +145,22 @@ def from_content(content: RecordDict, optional: bool = False) -> Message | None:
 
 # -- configuration ------------------------------------------------------------------------
 def config_from_run(run_config: Mapping[str, Any]) -> Config:
-    """The edgepfl configuration in a Flower run config (flat dotted keys; ``out`` and
-    ``wait`` are the ServerApp's own)."""
+    """The edgepfl configuration in a Flower run config (flat dotted keys; ``out``,
+    ``wait`` and ``timeout`` are the ServerApp's own)."""
     nested: dict[str, Any] = {}
     for key, value in run_config.items():
-        if key not in (OUT, WAIT):
+        if key not in SERVER_KEYS:
             set_dotted(nested, str(key), value, f"Flower run config key {key!r}")
     return resolve(build_config(nested))
+
+
+def seconds(run_config: Mapping[str, Any], key: str) -> float:
+    """The ServerApp's ``wait`` or ``timeout`` from the run config, checked."""
+    value = run_config.get(key, SERVER_KEYS[key])
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(f"Flower run config {key}={value!r}: it must be a number of seconds "
+                          f">= 0 (default {SERVER_KEYS[key]:g})")
+    return float(value)
 
 
 def partition_id(context: Context, num_clients: int) -> int:
@@ -228,7 +244,8 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     context.state[STATE] = ArrayRecord(
         {k: Array(v.detach().contiguous().numpy()) for k, v in kept.items()})
     content = to_content(result.reply)
-    stats = {k: float(v) for k, v in result.stats.items() if math.isfinite(float(v))}
+    # a NaN loss travels as NaN, so that a diverging client shows, as in the simulation
+    stats = {k: float(v) for k, v in result.stats.items()}
     content[STATS] = MetricRecord({**stats, "num_samples": train.n})
     return FlowerMessage(content, reply_to=message)
 
@@ -256,13 +273,15 @@ class FlowerResult:
 
 
 def _exchange(grid: Grid, nodes: Mapping[int, int], contents: Mapping[int, RecordDict],
-              kind: str, group: str) -> dict[int, FlowerMessage]:
-    """Send one message per client and collect exactly one good reply from each."""
+              kind: str, group: str, timeout: float) -> dict[int, FlowerMessage]:
+    """Send one message per client and collect exactly one good reply from each, in the
+    order of ``contents`` whatever order they arrive in (the aggregate's floating-point sums
+    follow it, so this is what keeps a deployment equal to the simulation)."""
     sent = [FlowerMessage(content, nodes[cid], kind, group_id=group)
             for cid, content in contents.items()]
     by_node = {node: cid for cid, node in nodes.items()}
     replies: dict[int, FlowerMessage] = {}
-    for reply in grid.send_and_receive(sent):
+    for reply in grid.send_and_receive(sent, timeout=timeout):
         cid = by_node.get(reply.metadata.src_node_id)
         if cid is None or cid not in contents or cid in replies:
             raise MessageError(f"unexpected {kind} reply from node {reply.metadata.src_node_id}")
@@ -272,8 +291,9 @@ def _exchange(grid: Grid, nodes: Mapping[int, int], contents: Mapping[int, Recor
         replies[cid] = reply
     missing = sorted(set(contents) - set(replies))
     if missing:
-        raise EdgepflError(f"no {kind} reply in round {group} from clients {missing}")
-    return replies
+        raise EdgepflError(f"no {kind} reply in round {group} from clients {missing} within "
+                           f"{TIMEOUT}={timeout:g} s")
+    return {cid: replies[cid] for cid in contents}
 
 
 def _figures(reply: FlowerMessage, cid: int, *keys: str) -> MetricRecord:
@@ -285,7 +305,8 @@ def _figures(reply: FlowerMessage, cid: int, *keys: str) -> MetricRecord:
     return record
 
 
-def discover(grid: Grid, num_clients: int, wait_s: float = 0.0) -> dict[int, int]:
+def discover(grid: Grid, num_clients: int, wait_s: float = 0.0,
+             timeout: float = SERVER_KEYS[TIMEOUT]) -> dict[int, int]:
     """Client id -> node id, from every node's answer to a query, once ``num_clients``
     nodes are connected or ``wait_s`` seconds have passed (SuperNodes join when they start)."""
     deadline = time.monotonic() + wait_s
@@ -295,7 +316,7 @@ def discover(grid: Grid, num_clients: int, wait_s: float = 0.0) -> dict[int, int
         node_ids = sorted(grid.get_node_ids())
     asked = [FlowerMessage(RecordDict(), node_id, "query", group_id="0") for node_id in node_ids]
     nodes: dict[int, int] = {}
-    for reply in grid.send_and_receive(asked):
+    for reply in grid.send_and_receive(asked, timeout=timeout):
         if reply.has_error():
             raise EdgepflError(f"node {reply.metadata.src_node_id} failed to say its client id: "
                                f"{reply.error.reason}")
@@ -318,16 +339,23 @@ def discover(grid: Grid, num_clients: int, wait_s: float = 0.0) -> dict[int, int
 def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None = False) -> FlowerResult:
     """The ServerApp's round loop: the simulation's, with a Flower Grid as the link."""
     cfg = config_from_run(run_config)
+    wait, timeout = seconds(run_config, WAIT), seconds(run_config, TIMEOUT)
     out = Path(str(run_config[OUT])) if run_config.get(OUT) else None
+    if out is not None and (out / "config.json").exists():
+        raise EdgepflError(f"{out} already holds a run; give the run config another {OUT} "
+                           f"(flwr run ... --run-config 'out=\"runs/other\"')")
     dataset = load_dataset(cfg.dataset.name, cfg.dataset.root, cfg.dataset.fraction, cfg.seed,
                            cfg.dataset.download)
     n = cfg.partition.clients
-    server = Parts.build(cfg, dataset).server(n)
-    nodes = discover(grid, n, float(run_config.get(WAIT, 300)))
+    parts = Parts.build(cfg, dataset)
+    server = parts.server(n)
+    nodes = discover(grid, n, wait, timeout)
     if out is not None:
         write_json(out / "config.json", cfg.model_dump())
     metrics: list[dict] = []
     client_acc: list[float] = []
+    bytes_up, bytes_down = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    server_bytes = state_bytes(server.state_dict())
     bar = RoundProgress(cfg.train.rounds, 0, f"{cfg.algorithm.name} on Flower", progress)
     try:
         for rnd in range(1, cfg.train.rounds + 1):
@@ -338,9 +366,13 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
                 raise MessageError(f"server configured clients {sorted(down)} but round {rnd} "
                                    f"selected {selected}")
             replies = _exchange(grid, nodes, {cid: to_content(down[cid]) for cid in selected},
-                                "train", str(rnd))
+                                "train", str(rnd), timeout)
             up = {cid: from_content(r.content) for cid, r in replies.items()}
             server.aggregate(rnd, up)
+            for cid in selected:
+                bytes_up[cid] += up[cid].nbytes
+                bytes_down[cid] += down[cid].nbytes
+            server_bytes = max(server_bytes, state_bytes(server.state_dict()))
             stats = [_figures(r, cid, "num_samples") for cid, r in replies.items()]
             losses = [(f["train_loss"], f["num_samples"]) for f in stats if "train_loss" in f]
             row: dict = {"round": rnd, "bytes_up": sum(m.nbytes for m in up.values()),
@@ -351,7 +383,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
                          if losses else math.nan}
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
                 evals = _exchange(grid, nodes, {cid: to_content(server.eval_message(cid))
-                                                for cid in range(n)}, "evaluate", str(rnd))
+                                                for cid in range(n)}, "evaluate", str(rnd), timeout)
                 figures = [_figures(evals[cid], cid, "correct", "count", "loss") for cid in range(n)]
                 client_acc = [f["correct"] / f["count"] if f["count"] else math.nan for f in figures]
                 losses_eval = [f["loss"] / f["count"] if f["count"] else math.nan for f in figures]
@@ -360,10 +392,11 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
             else:
                 row.update(acc_mean=math.nan, acc_weighted=math.nan, acc_std=math.nan,
                            acc_min=math.nan, loss=math.nan)
+            row.update(server.round_metrics())
             row["wall_s"] = time.perf_counter() - t0
             metrics.append(row)
             if out is not None:
-                write_csv(out / "metrics.csv", COLUMNS, metrics)
+                write_csv(out / "metrics.csv", metric_columns(metrics, COLUMNS), metrics)
             bar.update(rnd, row)
     finally:
         bar.close()
@@ -371,12 +404,16 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
                "model": cfg.model.name, "clients": n, "rounds": len(metrics), "seed": cfg.seed,
                "participation": cfg.train.participation, "runtime": "flower",
                **accuracy_summary(metrics, client_acc),
-               "bytes_up_total": sum(r["bytes_up"] for r in metrics),
-               "bytes_down_total": sum(r["bytes_down"] for r in metrics),
+               "bytes_up_total": int(bytes_up.sum()), "bytes_down_total": int(bytes_down.sum()),
+               "bytes_up_per_client": bytes_up.tolist(),
+               "bytes_down_per_client": bytes_down.tolist(),
                "wall_time_s": sum(r["wall_s"] for r in metrics),
+               "server_state_bytes": server_bytes,
+               "model_params": sum(layer.numel for layer in parts.layers.layers),
+               "layers": parts.layers.names,
                "edgepfl_version": __version__}
     if out is not None:
-        write_json(out / "summary.json", summary)
+        finish_run_dir(out, cfg, summary, server, metrics)
     return FlowerResult(summary, metrics, out)
 
 
@@ -389,6 +426,24 @@ def _main(grid: Grid, context: Context) -> None:
 
 
 # -- one process --------------------------------------------------------------------------
+def _internals() -> SimpleNamespace:
+    """Flower internals that only ``LocalGrid`` needs (its wire format, the run record,
+    the process's task identity), imported here so that a Flower release that moves them
+    breaks the one-process check alone, not a deployment's ServerApp and ClientApp."""
+    try:
+        from flwr.common.constant import SUPERLINK_NODE_ID
+        from flwr.common.serde import message_from_proto, message_to_proto
+        from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
+        from flwr.supercore.run import Run
+        from flwr.supercore.task_identity import TaskIdentity
+    except ImportError as exc:  # pragma: no cover - depends on the installed flwr
+        raise ImportError(f"edgepfl's LocalGrid uses Flower internals that this flwr lacks "
+                          f"(tested with flwr 1.41): {exc}") from exc
+    return SimpleNamespace(SUPERLINK_NODE_ID=SUPERLINK_NODE_ID, ProtoMessage=ProtoMessage,
+                           message_from_proto=message_from_proto,
+                           message_to_proto=message_to_proto, Run=Run, TaskIdentity=TaskIdentity)
+
+
 class LocalGrid(Grid):
     """A Flower ``Grid`` whose nodes are ClientApp calls in this process, each with its own
     persistent ``Context``. Every message is turned into Flower's wire format (protobuf
@@ -404,12 +459,14 @@ class LocalGrid(Grid):
                                                            "num-partitions": num_nodes},
                                               state=RecordDict(), run_config=dict(run_config))
             for k in range(num_nodes)}
-        self._run = Run.create_empty(1)
+        self._run = _internals().Run.create_empty(1)
         self._replies: dict[str, FlowerMessage] = {}
 
     @staticmethod
     def _wire(message: FlowerMessage) -> FlowerMessage:
-        return message_from_proto(ProtoMessage.FromString(message_to_proto(message).SerializeToString()))
+        fl = _internals()
+        wire = fl.message_to_proto(message).SerializeToString()
+        return fl.message_from_proto(fl.ProtoMessage.FromString(wire))
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -452,19 +509,22 @@ class LocalGrid(Grid):
 def _server_identity() -> Iterator[None]:
     """Flower stamps new messages with the identity of the process's task, which its
     runtime sets for a real ServerApp; here this process plays the SuperLink's part."""
-    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 0
+    fl = _internals()
+    ident = fl.TaskIdentity
+    saved = ident._run_id, ident._node_id, ident._task_id
+    ident.run_id, ident.node_id, ident.task_id = 1, fl.SUPERLINK_NODE_ID, 0
     try:
         yield
     finally:
-        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+        ident._run_id, ident._node_id, ident._task_id = saved
 
 
 def run_local(run_config: Mapping[str, Any], progress: bool | None = False,
               app: ClientApp | None = None, num_nodes: int | None = None) -> FlowerResult:
     """The Flower ServerApp and ClientApp in one process over a ``LocalGrid``, one node per
     client unless ``num_nodes`` says otherwise: a check that a configuration runs on Flower
-    before deploying it."""
+    before deploying it. Its nodes are all there from the start, so ``wait`` defaults to 0."""
+    run_config = {WAIT: 0, **run_config}
     cfg = config_from_run(run_config)
     nodes = cfg.partition.clients if num_nodes is None else num_nodes
     grid = LocalGrid(client_app if app is None else app, nodes, run_config)

@@ -108,6 +108,21 @@ class Parts:
             ClientContext(self.trainer, self.layers, cfg.train, self.num_classes, cfg.seed), self.hp)
 
 
+def metric_columns(metrics: list[dict], base: list[str] = METRIC_COLUMNS) -> list[str]:
+    """``base`` and then every other key the rows have (an algorithm's own figures)."""
+    return base + list(dict.fromkeys(k for row in metrics for k in row if k not in base))
+
+
+def finish_run_dir(out: Path, cfg: Config, summary: dict, server: Server,
+                   metrics: list[dict]) -> None:
+    """What a finished run writes: its summary, the algorithm's artifacts, the plot."""
+    write_json(out / "summary.json", summary)
+    server.write_artifacts(out, cfg.output.plots)
+    if cfg.output.plots:
+        from edgepfl.report.plots import plot_accuracy
+        plot_accuracy(metrics, out / "accuracy.png", f"{cfg.algorithm.name} on {cfg.dataset.name}")
+
+
 def client_split(dataset: Dataset, partition: Partition,
                  cid: int) -> tuple[ClientData, tuple[torch.Tensor, torch.Tensor]]:
     """Client ``cid``'s training view and its test samples."""
@@ -293,17 +308,11 @@ class Simulation:
             bar.close()
         summary = self.summary()
         if self.out_dir is not None:
-            write_json(self.out_dir / "summary.json", summary)
-            self.server.write_artifacts(self.out_dir, cfg.output.plots)
-            if cfg.output.plots:
-                from edgepfl.report.plots import plot_accuracy
-                plot_accuracy(self.metrics, self.out_dir / "accuracy.png",
-                              f"{cfg.algorithm.name} on {cfg.dataset.name}")
+            finish_run_dir(self.out_dir, cfg, summary, self.server, self.metrics)
         return RunResult(summary, self.metrics, self.out_dir, list(self.client_acc))
 
     def metric_columns(self) -> list[str]:
-        extra = [k for row in self.metrics for k in row if k not in METRIC_COLUMNS]
-        return METRIC_COLUMNS + list(dict.fromkeys(extra))
+        return metric_columns(self.metrics)
 
     def summary(self) -> dict:
         cfg = self.cfg
