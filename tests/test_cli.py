@@ -151,3 +151,72 @@ def test_resume_with_more_rounds_extends_the_run(tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads((out / "summary.json").read_text())["rounds"] == 3
     assert len((out / "metrics.csv").read_text().strip().splitlines()) == 1 + 3
+
+
+def test_resume_with_the_config_file_again_does_not_extend_the_run(tmp_path):
+    """A config file without train.rounds must not extend a run to the default 50."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[dataset]\nname = "synthetic"\n[partition]\nclients = 4\n[output]\nplots = false\n')
+    out = tmp_path / "r"
+    assert invoke("run", str(cfg), "--set", "train.rounds=2", "--out", str(out), "--quiet").exit_code == 0
+    res = invoke("run", str(cfg), "--resume", str(out), "--quiet")
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "config.json").read_text())["train"]["rounds"] == 2
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
+    # naming train.rounds does extend it
+    res = invoke("run", str(cfg), "--set", "train.rounds=3", "--resume", str(out), "--quiet")
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 3
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--set", "system.server_flops=inf"], ["system.server_flops", "inf"]),
+    (["--set", "train.lr=nan"], ["train.lr", "nan"]),
+    (["--set", "seed=18446744073709551616"], ["seed", "18446744073709551616"]),
+])
+def test_values_a_run_folder_could_not_store_are_refused(tmp_path, args, words):
+    res = invoke("run", *FAST, *args, "--out", str(tmp_path / "r"))
+    assert res.exit_code == 2, res.output
+    for word in words:
+        assert word in res.output, (word, res.output)
+    assert not (tmp_path / "r").exists()
+
+
+def test_undecodable_config_and_unwritable_out_exit_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe[train]")
+    res = invoke("run", str(bad))
+    assert res.exit_code == 2 and "bad.toml" in res.output and "Traceback" not in res.output
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = invoke("run", *FAST, "--out", str(blocker / "sub"))
+    assert res.exit_code == 2 and "sub" in res.output, res.output
+
+
+def test_compare_takes_the_configured_seed_and_refuses_repeats(tmp_path):
+    res = invoke("compare", "--algorithms", "local", *FAST, "--set", "seed=5",
+                 "--out", str(tmp_path / "c"))
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "c" / "local-seed5").is_dir()
+    for args in (["--algorithms", "local,local"], ["--algorithms", "local", "--seeds", "1,1"]):
+        res = invoke("compare", *args, *FAST, "--out", str(tmp_path / "d"))
+        assert res.exit_code == 2 and "more than once" in res.output, res.output
+        assert not (tmp_path / "d").exists()
+
+
+def test_compare_again_continues_an_interrupted_comparison(tmp_path):
+    out = tmp_path / "c"
+    # as if interrupted: the first run finished, the comparison files were never written
+    assert invoke("run", *FAST, "--set", "algorithm.name=local", "--out",
+                  str(out / "local-seed0")).exit_code == 0
+    kept = (out / "local-seed0" / "metrics.csv").read_bytes()
+    res = invoke("compare", "--algorithms", "local,fedavg", *FAST, "--out", str(out))
+    assert res.exit_code == 0, res.output
+    assert (out / "local-seed0" / "metrics.csv").read_bytes() == kept
+    rows = (out / "comparison.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 2
+    # a changed configuration is refused rather than mixed in
+    (out / "comparison.csv").unlink()
+    res = invoke("compare", "--algorithms", "local,fedavg", *FAST, "--set", "train.lr=0.9",
+                 "--out", str(out))
+    assert res.exit_code == 2 and "train.lr" in res.output

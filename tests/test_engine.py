@@ -180,3 +180,47 @@ def test_counting_flops_does_not_change_results():
     keep = ["acc_mean", "acc_std", "loss", "train_loss", "bytes_up", "bytes_down"]
     assert [[r[k] for k in keep] for r in on.metrics] == [[r[k] for k in keep] for r in off.metrics]
     assert all(math.isnan(r["t_compute"]) for r in off.metrics)
+
+
+def test_a_kept_run_without_checkpoint_is_not_rerun(tmp_path):
+    start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
+    (tmp_path / "run" / CHECKPOINT).unlink()
+    before = {f.name: f.read_bytes() for f in (tmp_path / "run").iterdir()}
+    with pytest.raises(EdgepflError, match="finished run without its checkpoint"):
+        resume_run(tmp_path / "run", progress=False)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "run").iterdir()} == before
+
+
+def test_an_interrupted_extension_does_not_look_finished(tmp_path, monkeypatch):
+    start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
+
+    def crash(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Simulation, "step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        resume_run(tmp_path / "run", progress=False, overrides=["train.rounds=3"])
+    assert not (tmp_path / "run" / "summary.json").exists()
+    monkeypatch.undo()
+    assert resume_run(tmp_path / "run", progress=False).summary["rounds"] == 3
+
+
+@pytest.mark.parametrize("meta", [
+    {"round": "one"}, {"round": 1, "metrics": [], "client_acc": [], "bytes_up": [0],
+                       "bytes_down": [0], "wall_time_s": 0.0, "config": {}},
+    ["not", "an", "object"]])
+def test_a_checkpoint_with_malformed_metadata_is_reported(tmp_path, meta):
+    from edgepfl.engine.io import read_tensors, write_tensors
+    start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
+    tensors, _ = read_tensors(tmp_path / "run" / CHECKPOINT)
+    write_tensors(tmp_path / "run" / CHECKPOINT, tensors, meta)
+    with pytest.raises(EdgepflError, match="not a valid edgepfl checkpoint"):
+        resume_run(tmp_path / "run", progress=False)
+
+
+def test_run_files_follow_the_umask(tmp_path):
+    import os
+    start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "run" / "summary.json").stat().st_mode & 0o777 == 0o666 & ~mask

@@ -29,7 +29,8 @@ def make_run(path, algorithm="fedavg", rounds=4, costs=True, totals=True, evalua
         writer.writeheader()
         writer.writerows(rows)
     summary = {"algorithm": algorithm, "dataset": "digits", "rounds": rounds,
-               "acc_mean_best": 0.9, "acc_mean_final": 0.875,
+               "acc_mean_best": 0.9, "acc_mean_final": 0.875, "acc_std_final": 0.05,
+               "acc_min_final": 0.8,
                "bytes_up_total": 2_000_000 * rounds, "bytes_down_total": 1_000_000 * rounds}
     if costs and totals:
         summary.update(t_down_total=2.0 * rounds, t_compute_total=2.5 * rounds,
@@ -55,7 +56,8 @@ def test_table_splits_time_per_round_like_kapc_table5(tmp_path):
     [row] = table_rows(text, "Communication and computation per round")
     assert row == ["a", "fedavg", "2.00", "1.00", "3.00", "0.0020"]
     [row] = table_rows(text, "Accuracy, totals and memory")
-    assert row == ["a", "fedavg", "digits", "4", "90.00", "87.50", "40.0", "12.00", "1.500", "300.0"]
+    assert row == ["a", "fedavg", "digits", "4", "90.00", "87.50", "5.00", "80.00", "40.0", "12.00",
+                   "1.500", "300.0"]
 
 
 def test_totals_fall_back_to_the_per_round_columns(tmp_path):

@@ -11,19 +11,25 @@ import click
 from edgepfl.errors import EdgepflError
 
 
-def _user_errors(fn):
-    """Bad input -> one readable message on stderr and exit code 2, no traceback."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except EdgepflError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted; the last checkpoint is intact (continue with --resume)", err=True)
-            sys.exit(130)
-    return wrapper
+def _user_errors(on_interrupt: str):
+    """Bad input -> one readable message on stderr and exit code 2, no traceback;
+    ``on_interrupt`` says how to go on after Ctrl-C."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except EdgepflError as exc:
+                click.echo(f"error: {exc}", err=True)
+                sys.exit(2)
+            except OSError as exc:  # a folder that cannot be written, a full disk
+                click.echo(f"error: {exc}", err=True)
+                sys.exit(2)
+            except KeyboardInterrupt:
+                click.echo(f"interrupted; {on_interrupt}", err=True)
+                sys.exit(130)
+        return wrapper
+    return decorate
 
 
 def _progress_flag(quiet: bool) -> bool | None:
@@ -75,11 +81,12 @@ def main() -> None:
               "--set train.rounds=N (more than it has) extend a finished run")
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
-@_user_errors
+@_user_errors("the last checkpoint is intact (continue with --resume RUN_DIR)")
 def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         resume: Path | None, quiet: bool, threads: int | None) -> None:
     """Run one algorithm. With no arguments: FedAvg on digits, 10 clients, Dirichlet 0.3."""
-    from edgepfl.config import config_from_sources
+    from edgepfl.config import config_from_sources, load_toml
+    from edgepfl.engine.io import read_json
     from edgepfl.engine.simulation import resume_run, start_run
 
     _threads(threads)
@@ -88,14 +95,29 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
             raise EdgepflError("--out and --resume name different directories; a resume "
                                "continues in its own run directory")
         # --set alone applies to the run's own configuration (e.g. train.rounds=90 extends
-        # it); a config file is a whole configuration that must match the run
-        cfg = config_from_sources(config, list(overrides)) if config else None
+        # it); a config file is a whole configuration that must match the run, and extends
+        # it only if it, or --set, names train.rounds (not through the default)
+        cfg = None
+        if config:
+            extra = list(overrides)
+            if not _names_rounds(load_toml(config), overrides):
+                stored = read_json(resume / "config.json")
+                rounds = stored.get("train", {}).get("rounds") if isinstance(stored, dict) else None
+                if isinstance(rounds, int):
+                    extra.insert(0, f"train.rounds={rounds}")
+            cfg = config_from_sources(config, extra)
         result = resume_run(resume, cfg, progress=_progress_flag(quiet),
                             overrides=None if config else list(overrides))
     else:
         cfg = config_from_sources(config, list(overrides))
         result = start_run(cfg, out, progress=_progress_flag(quiet))
     _print_summary(result.summary, result.out_dir)
+
+
+def _names_rounds(data: dict, overrides: tuple[str, ...]) -> bool:
+    train = data.get("train")
+    return (isinstance(train, dict) and "rounds" in train) or any(
+        o.partition("=")[0].strip() == "train.rounds" for o in overrides)
 
 
 def _csv_list(value: str, kind: type, option: str) -> list:
@@ -105,20 +127,24 @@ def _csv_list(value: str, kind: type, option: str) -> list:
         raise EdgepflError(f"{option} {value!r} must be a comma-separated list of {kind.__name__}s") from None
     if not items:
         raise EdgepflError(f"{option} is empty")
+    repeated = sorted({str(v) for v in items if items.count(v) > 1})
+    if repeated:
+        raise EdgepflError(f"{option} names {', '.join(repeated)} more than once")
     return items
 
 
 @main.command()
 @click.argument("config", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--algorithms", required=True, help="comma-separated, e.g. local,fedavg,fedprox")
-@click.option("--seeds", default="0", show_default=True, help="comma-separated seeds")
+@click.option("--seeds", help="comma-separated seeds (default: the configuration's seed, 0)")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a setting")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="output directory (default runs/compare-<time>)")
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
-@_user_errors
-def compare(config: Path | None, algorithms: str, seeds: str, overrides: tuple[str, ...],
+@_user_errors("the same command again continues: finished runs are kept, an interrupted one "
+              "resumes from its checkpoint")
+def compare(config: Path | None, algorithms: str, seeds: str | None, overrides: tuple[str, ...],
             out: Path | None, quiet: bool, threads: int | None) -> None:
     """Compare algorithms on the same partition and client sequence, over seeds."""
     from datetime import datetime
@@ -131,8 +157,8 @@ def compare(config: Path | None, algorithms: str, seeds: str, overrides: tuple[s
     names = _csv_list(algorithms, str, "--algorithms")
     for name in names:
         get_algorithm(name)
-    seed_list = _csv_list(seeds, int, "--seeds")
     cfg = config_from_sources(config, list(overrides))
+    seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
     out = out or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_compare(cfg, names, seed_list, out, progress=_progress_flag(quiet), echo=click.echo)
     click.echo((out / "comparison.md").read_text())
@@ -144,7 +170,7 @@ def compare(config: Path | None, algorithms: str, seeds: str, overrides: tuple[s
                 type=click.Path(file_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="also write report.md and the plots into this directory")
-@_user_errors
+@_user_errors("each file written so far is whole (files are written atomically)")
 def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
     """Cost table across runs (time per round split into download, client, upload,
     server; MB; GFLOPs) and plots of accuracy against bytes and simulated time."""

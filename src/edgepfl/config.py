@@ -19,7 +19,8 @@ from edgepfl.system.config import SystemConfig
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf / nan cannot be stored in config.json (JSON has neither), so they are refused
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DatasetConfig(_Section):
@@ -73,7 +74,7 @@ class AlgorithmConfig(BaseModel):
 
 
 class Config(_Section):
-    seed: int = Field(0, description="one seed fixes partition, init, sampling and data order")
+    seed: int = Field(0, ge=-(2**63), lt=2**63, description="one seed fixes partition, init, sampling and data order")
     dataset: DatasetConfig = DatasetConfig()
     partition: PartitionConfig = PartitionConfig()
     model: ModelConfig = ModelConfig()
@@ -151,7 +152,7 @@ def load_toml(path: str | Path) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"config file {str(path)!r} is not readable TOML: {exc}") from None
 
 

@@ -46,7 +46,7 @@ def model_from_state(state: State) -> State:
 class Hyperparameters(BaseModel):
     """Base of every algorithm's typed hyperparameters (unknown keys are errors)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 @dataclass

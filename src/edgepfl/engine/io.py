@@ -23,11 +23,22 @@ from safetensors.torch import save as st_save
 from edgepfl.errors import EdgepflError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates its file 0600; the renamed file should be what open() would have made
+_FILE_MODE = 0o666 & ~_umask()
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -58,7 +69,7 @@ def read_json(path: Path) -> dict:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise EdgepflError(f"{path} does not exist") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: undecodable bytes, bad JSON
         raise EdgepflError(f"{path} is not readable JSON: {exc}") from None
 
 

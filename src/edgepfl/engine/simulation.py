@@ -369,21 +369,33 @@ class Simulation:
 
     def load_checkpoint(self, path: Path) -> None:
         tensors, meta = read_tensors(path)
+        try:
+            config = meta["config"]
+            rnd = int(meta["round"])
+            metrics = [{k: (math.nan if v is None else v) for k, v in row.items()}
+                       for row in meta["metrics"]]
+            client_acc = [math.nan if v is None else float(v) for v in meta["client_acc"]]
+            bytes_up = np.array(meta["bytes_up"], dtype=np.int64)
+            bytes_down = np.array(meta["bytes_down"], dtype=np.int64)
+            wall_time = float(meta["wall_time_s"])
+            server_bytes = int(meta.get("server_state_bytes", self.server_state_bytes))
+            shape = (self.num_clients,)
+            if not isinstance(config, dict) or len(metrics) != rnd or \
+                    bytes_up.shape != shape or bytes_down.shape != shape:
+                raise ValueError(f"round {rnd}, {len(metrics)} metric rows, byte counts for "
+                                 f"{bytes_up.shape} / {bytes_down.shape} clients")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise EdgepflError(f"{path} is not a valid edgepfl checkpoint: its metadata is "
+                               f"malformed ({type(exc).__name__}: {exc})") from None
         # train.rounds may have grown (an extended run): nothing in a round depends on it
-        if config_diff(_without_rounds(meta.get("config", {})), _without_rounds(self.cfg.model_dump())):
+        if config_diff(_without_rounds(config), _without_rounds(self.cfg.model_dump())):
             raise EdgepflError(f"{path} belongs to a different configuration than {path.parent}/config.json")
-        if int(meta["round"]) > self.cfg.train.rounds:
-            raise EdgepflError(f"{path} is at round {meta['round']}, past train.rounds="
-                               f"{self.cfg.train.rounds}")
+        if rnd > self.cfg.train.rounds:
+            raise EdgepflError(f"{path} is at round {rnd}, past train.rounds={self.cfg.train.rounds}")
         self.load_state(tensors)
-        self.round = int(meta["round"])
-        self.metrics = [{k: (math.nan if v is None else v) for k, v in row.items()}
-                        for row in meta["metrics"]]
-        self.client_acc = [math.nan if v is None else v for v in meta["client_acc"]]
-        self.bytes_up = np.array(meta["bytes_up"], dtype=np.int64)
-        self.bytes_down = np.array(meta["bytes_down"], dtype=np.int64)
-        self.wall_time = float(meta["wall_time_s"])
-        self.server_state_bytes = int(meta.get("server_state_bytes", self.server_state_bytes))
+        self.round, self.metrics, self.client_acc = rnd, metrics, client_acc
+        self.bytes_up, self.bytes_down, self.wall_time = bytes_up, bytes_down, wall_time
+        self.server_state_bytes = server_bytes
 
 
 def default_run_dir(cfg: Config, base: Path = Path("runs")) -> Path:
@@ -404,6 +416,10 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
     if (out / "config.json").exists():
         raise EdgepflError(f"{out} already holds a run; use --resume {out} to continue it "
                            "or choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EdgepflError(f"cannot create the run directory {out}: {exc}") from None
     sim = Simulation(cfg, out, progress=progress, **kwargs)
     return sim.run()
 
@@ -423,6 +439,8 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
     """
     run_dir = Path(run_dir)
     stored = read_json(run_dir / "config.json")
+    if not isinstance(stored, dict) or not isinstance(stored.get("train"), dict):
+        raise ConfigError(f"{run_dir / 'config.json'} is not an edgepfl run configuration")
     if cfg is None and overrides:
         cfg = build_config(stored, overrides)
     run_cfg = build_config(stored)
@@ -440,11 +458,16 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
             if not (run_dir / CHECKPOINT).exists():
                 raise ConfigError(f"cannot extend {run_dir}: it has no checkpoint to go on from")
             run_cfg = build_config(given)
-    sim = Simulation(run_cfg, run_dir, progress=progress)
     ckpt = run_dir / CHECKPOINT
+    if not ckpt.exists() and (run_dir / "summary.json").exists():
+        raise EdgepflError(f"{run_dir} holds a finished run without its checkpoint (kept "
+                           "results); there is nothing to go on from")
+    sim = Simulation(run_cfg, run_dir, progress=progress)
     if ckpt.exists():
         sim.load_checkpoint(ckpt)
     if run_cfg.train.rounds != stored["train"]["rounds"]:
-        # only once the checkpoint has loaded: a refused extension leaves the run as it was
+        # only once the checkpoint has loaded: a refused extension leaves the run as it was;
+        # the old summary goes, so that an interrupted extension does not look finished
         write_json(run_dir / "config.json", run_cfg.model_dump())
+        (run_dir / "summary.json").unlink(missing_ok=True)
     return sim.run()

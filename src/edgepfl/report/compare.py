@@ -14,7 +14,7 @@ import numpy as np
 from edgepfl.config import Config, build_config
 from edgepfl.data import load_dataset, make_partition
 from edgepfl.engine.io import write_bytes_atomic, write_csv
-from edgepfl.engine.simulation import resolve, start_run
+from edgepfl.engine.simulation import resolve, resume_run, start_run
 from edgepfl.errors import EdgepflError
 from edgepfl.report.plots import plot_curves
 
@@ -84,7 +84,13 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
         for name in algorithms:
             cfg = build_config({**configs[name].model_dump(), "seed": seed})
             run_dir = out / f"{name}-seed{seed}"
-            result = start_run(cfg, run_dir, progress=progress, dataset=dataset, partition=partition)
+            if (run_dir / "config.json").exists():
+                # the same command again: a finished run is read back, an interrupted one
+                # goes on from its checkpoint; a changed configuration is refused
+                result = resume_run(run_dir, cfg, progress=progress)
+            else:
+                result = start_run(cfg, run_dir, progress=progress, dataset=dataset,
+                                   partition=partition)
             s = result.summary
             echo(f"{name:>10} seed {seed}: best {s['acc_mean_best']:.4f} (round {s['best_round']}), "
                  f"final {s['acc_mean_final']:.4f} ± {s['acc_std_final']:.4f}, "

@@ -145,9 +145,10 @@ def report_table(run_dirs: list[Path]) -> str:
             _fmt(per_round(run, "flops_server") / 1e9, 4)]))
     lines += ["", "## Accuracy, totals and memory", "",
               _row(["run", "algorithm", "dataset", "rounds", "best mean acc (%)",
-                    "final mean acc (%)", "simulated time (s)", "MB up + down",
+                    "final mean acc (%)", "final std across clients (%)",
+                    "final worst client (%)", "simulated time (s)", "MB up + down",
                     "server state (MB)", "peak RSS (MB)"]),
-              _row(["---"] * 10)]
+              _row(["---"] * 12)]
     for run in runs:
         s = run.summary
         total_mb = (run.total("bytes_up", "bytes_up_total")
@@ -155,6 +156,7 @@ def report_table(run_dirs: list[Path]) -> str:
         lines.append(_row([
             run.label, str(s.get("algorithm", NA)), str(s.get("dataset", NA)), str(run.rounds),
             _fmt(_get(s, "acc_mean_best") * 100), _fmt(_get(s, "acc_mean_final") * 100),
+            _fmt(_get(s, "acc_std_final") * 100), _fmt(_get(s, "acc_min_final") * 100),
             _fmt(run.total("t_round", TOTAL_KEYS["t_round"]), 1), _fmt(total_mb),
             _fmt(_get(s, "server_state_bytes") / 1e6, 3),
             _fmt(_get(s, "peak_rss_bytes") / 1e6, 1)]))
