@@ -351,7 +351,11 @@ def test_fedamp_cloud_model_is_the_weighted_combination_of_client_models():
     for cid in (0, 3):
         expected = sum(float(xi[cid, j]) * stack[j] for j in range(sim.num_clients))
         torch.testing.assert_close(msgs[cid].tensors["fc1.weight"], expected)
-    assert sim.metrics[0]["amp_self_weight_min"] <= 1.0
+    # round 1 starts from one initial model (all distances 0): self-weight 1 - alpha_k (N-1) / sigma
+    assert sim.metrics[0]["amp_self_weight_min"] == pytest.approx(1 - 0.05 * (sim.num_clients - 1) / 50)
+    # and the logged figure is the smallest self-weight of the round's clients
+    assert sim.server.round_metrics()["amp_self_weight_min"] == pytest.approx(
+        min(float(xi[0, 0]), float(xi[3, 3])))
 
 
 def test_fedamp_with_lamda_zero_is_local_training_and_positive_lamda_is_not():
@@ -368,13 +372,30 @@ def test_fedamp_defaults_do_not_switch_the_method_off():
     assert _training("algorithm.name=fedamp") != _training("algorithm.name=local")
 
 
+def _self_weight_after(rounds: int, *overrides: str) -> float:
+    sim = _sim("algorithm.name=fedamp", "dataset.name=digits", "train.local_epochs=2",
+               f"train.rounds={rounds}", "eval.every=1000", *overrides)
+    for _ in range(rounds):
+        row = sim.step()
+    return row["amp_self_weight_min"]
+
+
+def test_fedamp_defaults_keep_passing_messages_over_a_long_run():
+    """Messages must still flow after many rounds: if sigma is small against the distances
+    local training opens up, every weight on another client decays to zero and FedAMP
+    turns into local training (as the earlier defaults 0.05 / 0.05 / 1 did)."""
+    assert _self_weight_after(20) < 0.9  # every client keeps >= 10% on the others
+    assert _self_weight_after(20, "algorithm.alphaK=0.05", "algorithm.lamda=0.05",
+                              "algorithm.sigma=1") > 0.99
+
+
 def test_fedamp_rejects_steps_that_make_self_weights_negative():
     from edgepfl.errors import ConfigError
 
     # 6 clients: alpha_k (N - 1) / sigma = 0.3 * 5 / 1 > 1
     with pytest.raises(ConfigError, match=r"alphaK = 0.3 .* valid: alphaK <= sigma / \(N - 1\) = 0.2"):
-        _sim("algorithm.name=fedamp", "algorithm.alphaK=0.3")
-    _sim("algorithm.name=fedamp", "algorithm.alphaK=0.2")  # the boundary is allowed
+        _sim("algorithm.name=fedamp", "algorithm.alphaK=0.3", "algorithm.sigma=1")
+    _sim("algorithm.name=fedamp", "algorithm.alphaK=0.2", "algorithm.sigma=1")  # the boundary is allowed
 
 
 def test_fedamp_proximal_gradient_is_that_of_the_regularizer():

@@ -36,12 +36,12 @@ from edgepfl.errors import ConfigError
 
 
 class FedAMPHyperparameters(Hyperparameters):
-    alphaK: float = Field(0.05, gt=0, description="message-passing step alpha_k; needs "
+    alphaK: float = Field(0.25, gt=0, description="message-passing step alpha_k; needs "
                           "alpha_k (N - 1) / sigma <= 1 so that self-weights stay >= 0 "
-                          "(docs/algorithms.md: why 0.05)")
-    lamda: float = Field(0.05, ge=0, description="regularization weight lambda; the client's "
+                          "(docs/algorithms.md: why 0.25)")
+    lamda: float = Field(0.25, ge=0, description="regularization weight lambda; the client's "
                          "proximal gradient is (lambda / alpha_k)(w - u_i), 1 x at the defaults")
-    sigma: float = Field(1.0, gt=0, description="scale of the attention function "
+    sigma: float = Field(5.0, gt=0, description="scale of the attention function "
                          "A(x) = 1 - exp(-x / sigma), in squared parameter distance")
 
 
