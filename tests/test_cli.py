@@ -53,6 +53,8 @@ def test_run_reads_a_toml_config(tmp_path):
     (["--set", "partition.clients=999999"], ["999999"]),
     (["--set", "train.participation=1.5"], ["train.participation", "1.5"]),
     (["--set", "noequals"], ["noequals", "key=value"]),
+    (["--set", "system.devices=tiers", "--set", 'system.tiers=[{name="a",flops=1e9,share=1.0,foo=1}]'],
+     ["system.tiers.0.foo", "name, flops, share"]),
 ])
 def test_bad_input_exits_2_naming_the_value(tmp_path, args, words):
     res = invoke("run", *FAST, *args, "--out", str(tmp_path / "r"))

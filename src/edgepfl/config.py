@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -103,12 +103,17 @@ def _format_validation_error(exc: ValidationError, data: dict) -> str:
 def _section_model(loc: tuple) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
     for part in loc:
+        if isinstance(part, int):  # an item of a list of sections (system.tiers)
+            continue
         field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type):
+        if field is None:
             return None
-        if not issubclass(field.annotation, BaseModel):
+        annotation = field.annotation
+        if get_origin(annotation) is list:
+            annotation = (get_args(annotation) or (None,))[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
-        model = field.annotation
+        model = annotation
     return model
 
 
