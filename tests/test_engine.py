@@ -224,3 +224,11 @@ def test_run_files_follow_the_umask(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert (tmp_path / "run" / "summary.json").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_a_run_that_cannot_start_leaves_no_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEPFL_DATA", str(tmp_path / "nodata"))
+    with pytest.raises(EdgepflError):
+        start_run(fast_config("dataset.name=mnist", "dataset.download=false"), tmp_path / "run",
+                  progress=False)
+    assert not (tmp_path / "run").exists()

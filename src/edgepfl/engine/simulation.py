@@ -416,11 +416,18 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
     if (out / "config.json").exists():
         raise EdgepflError(f"{out} already holds a run; use --resume {out} to continue it "
                            "or choose another --out")
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise EdgepflError(f"cannot create the run directory {out}: {exc}") from None
-    sim = Simulation(cfg, out, progress=progress, **kwargs)
+    try:
+        sim = Simulation(cfg, out, progress=progress, **kwargs)
+    except BaseException:
+        # e.g. a data set that is not there: leave no empty run directory behind
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
     return sim.run()
 
 
