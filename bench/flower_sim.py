@@ -69,9 +69,13 @@ def settings(rounds: int, fraction: float) -> dict:
             "system.count_flops": False}
 
 
+def as_sets(conf: dict) -> list[str]:
+    return [f"{k}={v}" for k, v in conf.items()]
+
+
 def edgepfl_sim(conf: dict, rounds: int) -> tuple[list[float], float]:
     t0 = time.perf_counter()
-    sim = Simulation(build_config({}, [f"{k}={v}" for k, v in conf.items()]), progress=False)
+    sim = Simulation(build_config({}, as_sets(conf)), progress=False)
     times = []
     for _ in range(rounds):
         t = time.perf_counter()
@@ -114,7 +118,7 @@ def edgepfl_on_flower(conf: dict, rounds: int, cpus: float) -> tuple[list[float]
 
 
 def flower(conf: dict, rounds: int, cpus: float) -> tuple[list[float], float]:
-    sets = [f"{k}={v}" for k, v in conf.items()]
+    sets = as_sets(conf)
     stamps: list[float] = []
     trained: list[tuple[int, int]] = []
     server = ServerApp()
@@ -181,7 +185,7 @@ def main() -> None:
                      *edgepfl_on_flower(conf, args.rounds, cpus)))
         rows.append((f"flower FedAvg, {cpus:g} CPU(s) per actor", *flower(conf, args.rounds, cpus)))
     best = statistics.median(rows[0][1][1:])
-    _, _, parts, _ = quickstart.shares(tuple(f"{k}={v}" for k, v in conf.items()))
+    _, _, parts, _ = quickstart.shares(tuple(as_sets(conf)))
     print(f"\ntorch {torch.__version__}, {os.cpu_count()} CPUs; fmnist fraction {args.fraction}: "
           f"{sum(len(p) for p in parts)} train samples per round over {CLIENTS} clients; "
           f"{args.rounds} timed rounds")

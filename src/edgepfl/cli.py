@@ -19,10 +19,7 @@ def _user_errors(on_interrupt: str):
         def wrapper(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
-            except EdgepflError as exc:
-                click.echo(f"error: {exc}", err=True)
-                sys.exit(2)
-            except OSError as exc:  # a folder that cannot be written, a full disk
+            except (EdgepflError, OSError) as exc:  # OSError: an unwritable folder, a full disk
                 click.echo(f"error: {exc}", err=True)
                 sys.exit(2)
             except KeyboardInterrupt:

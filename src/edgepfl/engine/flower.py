@@ -369,14 +369,16 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
                                 "train", str(rnd), timeout)
             up = {cid: from_content(r.content) for cid, r in replies.items()}
             server.aggregate(rnd, up)
+            sent_up = {cid: up[cid].nbytes for cid in selected}
+            sent_down = {cid: down[cid].nbytes for cid in selected}
             for cid in selected:
-                bytes_up[cid] += up[cid].nbytes
-                bytes_down[cid] += down[cid].nbytes
+                bytes_up[cid] += sent_up[cid]
+                bytes_down[cid] += sent_down[cid]
             server_bytes = max(server_bytes, state_bytes(server.state_dict()))
             stats = [_figures(r, cid, "num_samples") for cid, r in replies.items()]
             losses = [(f["train_loss"], f["num_samples"]) for f in stats if "train_loss" in f]
-            row: dict = {"round": rnd, "bytes_up": sum(m.nbytes for m in up.values()),
-                         "bytes_down": sum(down[cid].nbytes for cid in selected),
+            row: dict = {"round": rnd, "bytes_up": sum(sent_up.values()),
+                         "bytes_down": sum(sent_down.values()),
                          "clients": len(selected),
                          "train_loss": float(np.average([v for v, _ in losses],
                                                         weights=[w for _, w in losses]))
@@ -409,7 +411,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
                "bytes_down_per_client": bytes_down.tolist(),
                "wall_time_s": sum(r["wall_s"] for r in metrics),
                "server_state_bytes": server_bytes,
-               "model_params": sum(layer.numel for layer in parts.layers.layers),
+               "model_params": parts.layers.numel,
                "layers": parts.layers.names,
                "edgepfl_version": __version__}
     if out is not None:

@@ -330,7 +330,7 @@ class Simulation:
             "server_state_bytes": self.server_state_bytes,
             "client_state_bytes": self.clients.nbytes(),
             "peak_rss_bytes": peak_rss_bytes(),
-            "model_params": sum(layer.numel for layer in self.layers.layers),
+            "model_params": self.layers.numel,
             "layers": self.layers.names,
             "edgepfl_version": __version__,
         }
@@ -436,13 +436,15 @@ def _without_rounds(cfg: dict) -> dict:
 
 
 def resume_run(run_dir: str | Path, cfg: Config | None = None,
-               progress: bool | None = None, overrides: list[str] | None = None) -> RunResult:
+               progress: bool | None = None, overrides: list[str] | None = None,
+               **kwargs) -> RunResult:
     """Continue ``run_dir`` from its last checkpoint.
 
     ``cfg`` (a whole configuration) or ``overrides`` (``key=value`` applied to the run's
     own configuration) must match the run, except that ``train.rounds`` may be raised: the
     run then goes on to the new last round, exactly as a run started with that many rounds
     would have (nothing in a round depends on the total), and its config.json says so.
+    ``kwargs`` go to ``Simulation`` (an already loaded ``dataset`` / ``partition``).
     """
     run_dir = Path(run_dir)
     stored = read_json(run_dir / "config.json")
@@ -469,7 +471,7 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
     if not ckpt.exists() and (run_dir / "summary.json").exists():
         raise EdgepflError(f"{run_dir} holds a finished run without its checkpoint (kept "
                            "results); there is nothing to go on from")
-    sim = Simulation(run_cfg, run_dir, progress=progress)
+    sim = Simulation(run_cfg, run_dir, progress=progress, **kwargs)
     if ckpt.exists():
         sim.load_checkpoint(ckpt)
     if run_cfg.train.rounds != stored["train"]["rounds"]:

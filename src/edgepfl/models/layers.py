@@ -53,6 +53,10 @@ class LayerSpec:
         return [layer.name for layer in self.layers]
 
     @property
+    def numel(self) -> int:
+        return sum(layer.numel for layer in self.layers)
+
+    @property
     def param_names(self) -> list[str]:
         return [p for layer in self.layers for p in layer.params]
 

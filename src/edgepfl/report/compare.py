@@ -84,13 +84,13 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
         for name in algorithms:
             cfg = build_config({**configs[name].model_dump(), "seed": seed})
             run_dir = out / f"{name}-seed{seed}"
+            # the same command again: a finished run is read back, an interrupted one goes
+            # on from its checkpoint; a changed configuration is refused
+            data = {"dataset": dataset, "partition": partition}
             if (run_dir / "config.json").exists():
-                # the same command again: a finished run is read back, an interrupted one
-                # goes on from its checkpoint; a changed configuration is refused
-                result = resume_run(run_dir, cfg, progress=progress)
+                result = resume_run(run_dir, cfg, progress=progress, **data)
             else:
-                result = start_run(cfg, run_dir, progress=progress, dataset=dataset,
-                                   partition=partition)
+                result = start_run(cfg, run_dir, progress=progress, **data)
             s = result.summary
             echo(f"{name:>10} seed {seed}: best {s['acc_mean_best']:.4f} (round {s['best_round']}), "
                  f"final {s['acc_mean_final']:.4f} ± {s['acc_std_final']:.4f}, "
