@@ -1,0 +1,41 @@
+"""Every existing algorithm's metrics are exactly those recorded before the federation
+refactor (``tests/golden.py``): a star federation of one architecture is today's run.
+
+Floating-point results are bit-exact only on the machine kind they were recorded on (same
+torch build and CPU instruction set); elsewhere accuracies and losses are compared to 1e-4
+and every integer (bytes, rounds, clients, FLOPs) still exactly.
+"""
+
+import json
+import math
+
+import pytest
+
+from tests.golden import CASES, GOLDEN, jsonable, machine, run_case
+
+RECORDED = json.loads(GOLDEN.read_text())
+EXACT = RECORDED["machine"] == machine()
+
+
+def _same(a, b, path=""):
+    if isinstance(a, dict):
+        assert set(a) <= set(b), f"{path}: keys {sorted(set(a) - set(b))} missing"
+        for k in a:
+            _same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), f"{path}: {len(a)} != {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and not EXACT:
+        assert b is not None and math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), f"{path}: {a} != {b}"
+    else:
+        assert a == b, f"{path}: recorded {a!r}, now {b!r}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_existing_runs_reproduce_their_recorded_metrics(name):
+    recorded = RECORDED["cases"][name]
+    now = jsonable(run_case(recorded["overrides"]))
+    # new columns and summary keys may be added; every recorded one must be unchanged
+    _same(recorded["metrics"], now["metrics"], name + ".metrics")
+    _same(recorded["summary"], now["summary"], name + ".summary")
