@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from edgepfl.engine.io import read_tensors, write_json
+from edgepfl.io import read_tensors, write_json
 from grid_runs import is_finished
 
 KEEP = ("config.json", "summary.json", "metrics.csv", "partition.json", "system.json",

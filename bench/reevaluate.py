@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 from edgepfl.config import build_config
-from edgepfl.engine.io import read_tensors
 from edgepfl.engine.simulation import CHECKPOINT, Simulation
+from edgepfl.io import read_tensors
 
 EVALUATION_ONLY = {"algorithm.evaluate"}
 

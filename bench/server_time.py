@@ -22,7 +22,7 @@ import torch
 from edgepfl.algorithms import get_algorithm
 from edgepfl.algorithms.base import ServerContext
 from edgepfl.config import TrainConfig
-from edgepfl.engine.messages import Message
+from edgepfl.federation.messages import Message
 from edgepfl.models.layers import LayerSpec
 from edgepfl.models.zoo import build_model
 

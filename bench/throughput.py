@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from edgepfl.config import build_config
-from edgepfl.engine.rng import generator
 from edgepfl.engine.simulation import Simulation
+from edgepfl.federation.rng import generator
 from edgepfl.models import build_model
 
 

@@ -10,9 +10,9 @@ from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.algorithms.fedprox import proximal_hook
 from edgepfl.algorithms.training import weighted_average
 from edgepfl.config import TrainConfig
-from edgepfl.engine.messages import Message, MessageError
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
+from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models import LayerSpec
 from tests.conftest import fast_config
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from edgepfl.algorithms import ALGORITHMS, get_algorithm
-from edgepfl.engine.messages import Message
 from edgepfl.engine.simulation import Simulation
+from edgepfl.federation.messages import Message
 from tests.conftest import fast_config, resumed_and_straight, without_wall
 
 BN_MODEL = "model.name=cnn_small_bn"
@@ -265,7 +265,7 @@ def test_feature_losses_train_as_with_a_second_pass_through_the_body(monkeypatch
 
     import edgepfl.algorithms.fedproto as fedproto
     import edgepfl.algorithms.moon as moon
-    from edgepfl.engine.rng import generator
+    from edgepfl.federation.rng import generator
 
     @contextlib.contextmanager
     def second_pass(module, classifier):

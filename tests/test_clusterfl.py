@@ -123,7 +123,7 @@ def test_consensus_is_mean_of_w_plus_u_and_duals_follow_admm():
     assert sim.metrics[-1]["primal_residual"] > 0
     # with only some members uploading, the duals no longer cancel: z_c must still be the
     # mean of w + u over ALL members (stored w for the absent), and only uploaders' u move
-    from edgepfl.engine.messages import Message
+    from edgepfl.federation.messages import Message
     for present in ([0, 4], [1, 5]):
         u_old = {p: srv.u.tensors[p].clone() for p in srv.params}
         replies = {c: Message({p: srv.w.tensors[p][c] + 0.01 * (c + 1) for p in srv.params})

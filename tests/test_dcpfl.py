@@ -20,8 +20,8 @@ from edgepfl.algorithms.dcpfl import (
     rdp_ended,
     refines,
 )
-from edgepfl.engine.messages import Message
 from edgepfl.engine.simulation import Simulation, resume_run, start_run
+from edgepfl.federation.messages import Message
 from tests.conftest import fast_config
 
 # short phases so that a few seconds of training see warm-up, splits and trials

@@ -149,7 +149,7 @@ def test_partial_participation_selects_the_same_clients_for_every_algorithm():
             if name == "fedavg":
                 seen.append(sorted(np.flatnonzero(sim.bytes_up - before).tolist()))
         seqs.append(seen)
-    from edgepfl.engine.rng import select_clients
+    from edgepfl.federation.rng import select_clients
     expected = [select_clients(0, r, 6, 0.34) for r in (1, 2, 3)]
     assert seqs[1] == expected
 
@@ -210,7 +210,7 @@ def test_an_interrupted_extension_does_not_look_finished(tmp_path, monkeypatch):
                        "bytes_down": [0], "wall_time_s": 0.0, "config": {}},
     ["not", "an", "object"]])
 def test_a_checkpoint_with_malformed_metadata_is_reported(tmp_path, meta):
-    from edgepfl.engine.io import read_tensors, write_tensors
+    from edgepfl.io import read_tensors, write_tensors
     start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
     tensors, _ = read_tensors(tmp_path / "run" / CHECKPOINT)
     write_tensors(tmp_path / "run" / CHECKPOINT, tensors, meta)

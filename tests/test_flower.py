@@ -29,9 +29,9 @@ from edgepfl.engine.flower import (  # noqa: E402
     run_local,
     to_content,
 )
-from edgepfl.engine.messages import Message, MessageError  # noqa: E402
 from edgepfl.engine.simulation import METRIC_COLUMNS, Simulation  # noqa: E402
 from edgepfl.errors import ConfigError, EdgepflError  # noqa: E402
+from edgepfl.federation.messages import Message, MessageError  # noqa: E402
 
 from .conftest import fast_config  # noqa: E402
 

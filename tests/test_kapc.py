@@ -21,9 +21,9 @@ from edgepfl.algorithms.kapc import (
     search_omega,
 )
 from edgepfl.config import TrainConfig
-from edgepfl.engine.io import read_tensors
-from edgepfl.engine.messages import Message, MessageError
 from edgepfl.engine.simulation import Simulation
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.io import read_tensors
 from edgepfl.models import LayerSpec
 from tests.conftest import fast_config, resumed_and_straight, without_wall
 
@@ -298,7 +298,7 @@ def test_a_layer_not_sent_is_coached_towards_the_clients_previous_weights():
     first = sim.layers.params_of(0)
     partial = Message({p: v for p, v in full.tensors.items() if p not in first})
     explicit = Message({**partial.tensors, **{p: own[p] for p in first}})
-    from edgepfl.engine.rng import generator
+    from edgepfl.federation.rng import generator
 
     a = sim.client.update(cid, partial, state, sim.train_data[cid], generator(0, "t"))
     b = sim.client.update(cid, explicit, state, sim.train_data[cid], generator(0, "t"))
@@ -312,7 +312,7 @@ def test_kapc_client_rejects_a_partial_regularizer():
     sim = _sim("algorithm.name=kapc")
     full = sim.server.configure(1, [0])[0]
     partial = Message({p: v for p, v in full.tensors.items() if p not in sim.layers.params_of(0)})
-    from edgepfl.engine.rng import generator
+    from edgepfl.federation.rng import generator
 
     with pytest.raises(MessageError, match="lacks layer"):
         sim.client.update(0, partial, sim.clients.row(0), sim.train_data[0], generator(0, "t"))

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from edgepfl.engine.messages import Message, MessageError
-from edgepfl.engine.rng import select_clients
-from edgepfl.engine.store import StackedStore
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.rng import select_clients
+from edgepfl.federation.store import StackedStore
 
 
 def test_message_bytes_count_payload_and_metadata():

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from edgepfl.algorithms import ALGORITHMS
 from edgepfl.algorithms.training import ClientData
-from edgepfl.engine.messages import Message
 from edgepfl.engine.simulation import Simulation
+from edgepfl.federation.messages import Message
 from tests.conftest import fast_config
 
 

@@ -83,8 +83,8 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         resume: Path | None, quiet: bool, threads: int | None) -> None:
     """Run one algorithm. With no arguments: FedAvg on digits, 10 clients, Dirichlet 0.3."""
     from edgepfl.config import config_from_sources, load_toml
-    from edgepfl.engine.io import read_json
     from edgepfl.engine.simulation import resume_run, start_run
+    from edgepfl.io import read_json
 
     _threads(threads)
     if resume is not None:
@@ -171,7 +171,7 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, overrides: 
 def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
     """Cost table across runs (time per round split into download, client, upload,
     server; MB; GFLOPs) and plots of accuracy against bytes and simulated time."""
-    from edgepfl.engine.io import write_bytes_atomic
+    from edgepfl.io import write_bytes_atomic
     from edgepfl.report.tables import report_plots, report_table
 
     table = report_table(list(run_dirs))

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from edgepfl.algorithms.training import ClientData, Trainer
 from edgepfl.config import TrainConfig
-from edgepfl.engine.messages import Message
+from edgepfl.federation.messages import Message
 from edgepfl.models.layers import LayerSpec
 
 State = dict[str, torch.Tensor]
@@ -102,7 +102,7 @@ class Server(ABC):
 
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
         """Algorithm-specific files for the run directory (e.g. a relation-matrix heatmap),
-        written when the run ends; use ``edgepfl.engine.io`` so writes are atomic."""
+        written when the run ends; use ``edgepfl.io`` so writes are atomic."""
         return None
 
 

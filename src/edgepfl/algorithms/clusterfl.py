@@ -46,8 +46,8 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.fedprox import proximal_hook
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData
-from edgepfl.engine.messages import Message, MessageError
-from edgepfl.engine.store import StackedStore
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.store import StackedStore
 
 _KMEANS_ITERS = 100  # Lloyd iterations cap; K-means on N <= a few hundred rows converges fast
 
@@ -254,7 +254,7 @@ class ClusterFLServer(Server):
         self.clustered_at, self._residual = int(sc[0]), sc[1]
 
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
-        from edgepfl.engine.io import write_json
+        from edgepfl.io import write_json
 
         ids = self.clustered_ids
         sim = self.similarity[ids][:, ids].tolist() if ids else []

@@ -40,8 +40,8 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData, weighted_average
-from edgepfl.engine.messages import Message, MessageError
-from edgepfl.engine.store import StackedStore
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.store import StackedStore
 
 WARMUP, NORMAL, SYNC, TRIAL = 0, 1, 2, 3
 MODE_NAMES = {WARMUP: "warmup", NORMAL: "normal", SYNC: "sync", TRIAL: "trial"}
@@ -480,7 +480,7 @@ class DCPFLServer(Server):
 
     # -- artifacts ---------------------------------------------------------------------------
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
-        from edgepfl.engine.io import write_json
+        from edgepfl.io import write_json
 
         avg = (self.disc_sum / self.disc_count.clamp(min=1)).tolist()
         write_json(Path(out_dir) / "dcpfl_groups.json", {
@@ -498,13 +498,9 @@ class DCPFLServer(Server):
 
 def plot_group_graph(z: np.ndarray, gamma_global: float, cuts: list[float], path: Path) -> None:
     """Dendrogram on the normalised axis gamma~ with the cuts the run took."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from scipy.cluster.hierarchy import dendrogram
 
-    from edgepfl.report.plots import _save
+    from edgepfl.plotting import plt, save_figure
 
     zz = z.copy()
     if gamma_global > 0:
@@ -517,7 +513,7 @@ def plot_group_graph(z: np.ndarray, gamma_global: float, cuts: list[float], path
     ax.set_xlabel("client")
     ax.set_ylabel("normalised threshold gamma~")
     ax.set_title("DC-PFL hierarchical group graph and chosen cuts")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _num_samples(cid: int, reply: Message) -> int:

@@ -31,8 +31,8 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.fedprox import proximal_hook
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData
-from edgepfl.engine.messages import Message, MessageError
 from edgepfl.errors import ConfigError
+from edgepfl.federation.messages import Message, MessageError
 
 
 class FedAMPHyperparameters(Hyperparameters):

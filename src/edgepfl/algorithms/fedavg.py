@@ -23,7 +23,7 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData, weighted_average
-from edgepfl.engine.messages import Message, MessageError
+from edgepfl.federation.messages import Message, MessageError
 
 
 class FedAvgHyperparameters(Hyperparameters):

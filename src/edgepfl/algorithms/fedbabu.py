@@ -29,9 +29,9 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.algorithms.training import ClientData
-from edgepfl.engine.messages import Message, MessageError
+from edgepfl.federation.accounting import not_counted
+from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
-from edgepfl.system.flops import not_counted
 
 
 class FedBABUHyperparameters(Hyperparameters):

@@ -27,7 +27,7 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData
-from edgepfl.engine.messages import Message, MessageError
+from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
 
 

@@ -34,7 +34,7 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData, classifier_module, tap_features
-from edgepfl.engine.messages import Message, MessageError
+from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
 
 ABSENT = -1e9  # logit bias of a class without a global prototype: never the nearest

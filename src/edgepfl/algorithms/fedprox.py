@@ -12,7 +12,7 @@ from pydantic import Field
 
 from edgepfl.algorithms.base import Algorithm
 from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
-from edgepfl.engine.messages import Message
+from edgepfl.federation.messages import Message
 
 
 class FedProxHyperparameters(FedAvgHyperparameters):

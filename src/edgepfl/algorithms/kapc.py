@@ -51,8 +51,8 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData
-from edgepfl.engine.messages import Message, MessageError
-from edgepfl.engine.rng import generator
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.rng import generator
 from edgepfl.models.layers import LayerSpec
 
 PAPER = ("Zhi et al., Knowledge-Aware Parameter Coaching for Personalized Federated Learning, "
@@ -439,7 +439,7 @@ class KAPCServer(Server):
         self.W = {p: state[f"W.{p}"].clone() for p in self.W}
 
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
-        from edgepfl.engine.io import write_tensors
+        from edgepfl.io import write_tensors
 
         out_dir = Path(out_dir)
         write_tensors(out_dir / "relation_cube.safetensors", {"R": self.R},
@@ -454,7 +454,7 @@ class KAPCServer(Server):
 def plot_relation_matrix(matrix: torch.Tensor, layer_names: list[str], path: Path,
                          title: str) -> None:
     """Heatmap of one client's relation matrix r_i (layers x clients), as the paper's Fig. 7."""
-    from edgepfl.report.plots import _save, plt
+    from edgepfl.plotting import plt, save_figure
 
     L, n = matrix.shape
     fig, ax = plt.subplots(figsize=(min(14.0, 2.5 + 0.35 * n), 1.6 + 0.45 * L))
@@ -467,7 +467,7 @@ def plot_relation_matrix(matrix: torch.Tensor, layer_names: list[str], path: Pat
     ax.set_ylabel("layer l")
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="r_ij^l")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 class KAPCBLSServer(KAPCServer):

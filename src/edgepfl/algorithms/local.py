@@ -19,7 +19,7 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.training import ClientData
-from edgepfl.engine.messages import Message
+from edgepfl.federation.messages import Message
 
 
 class LocalHyperparameters(Hyperparameters):

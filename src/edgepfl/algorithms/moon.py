@@ -35,8 +35,8 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.algorithms.training import ClientData, Trainer, classifier_module, tap_features
-from edgepfl.engine.messages import Message, MessageError
-from edgepfl.engine.rng import derive_seed
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.rng import derive_seed
 from edgepfl.models.layers import LayerSpec
 
 PROJ = "proj."

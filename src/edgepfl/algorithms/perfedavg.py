@@ -20,8 +20,8 @@ from pydantic import Field
 from edgepfl.algorithms.base import Algorithm, Client, Hyperparameters, State, UpdateResult
 from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.algorithms.training import ClientData
-from edgepfl.engine.messages import Message, MessageError
 from edgepfl.errors import ConfigError
+from edgepfl.federation.messages import Message, MessageError
 
 
 class PerFedAvgHyperparameters(Hyperparameters):

@@ -34,8 +34,8 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData
-from edgepfl.engine.messages import Message, MessageError
-from edgepfl.engine.rng import derive_seed
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.rng import derive_seed
 
 
 class PFedLAHyperparameters(Hyperparameters):

@@ -70,10 +70,7 @@ from edgepfl.algorithms.training import ClientData
 from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.data.datasets import Dataset, load_dataset
 from edgepfl.data.partition import Partition
-from edgepfl.engine.io import write_csv, write_json
-from edgepfl.engine.messages import Message, MessageError
 from edgepfl.engine.progress import RoundProgress
-from edgepfl.engine.rng import derive_seed, generator, select_clients
 from edgepfl.engine.simulation import (
     METRIC_COLUMNS,
     Parts,
@@ -86,6 +83,9 @@ from edgepfl.engine.simulation import (
     resolve,
 )
 from edgepfl.errors import ConfigError, EdgepflError
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.rng import derive_seed, generator, select_clients
+from edgepfl.io import write_csv, write_json
 from edgepfl.system import COST_COLUMNS, state_bytes
 
 TENSORS = "edgepfl.tensors"

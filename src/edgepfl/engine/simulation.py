@@ -26,12 +26,12 @@ from edgepfl.config import Config, build_config
 from edgepfl.data import load_dataset, make_partition
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition
-from edgepfl.engine.io import read_json, read_tensors, write_csv, write_json, write_tensors
-from edgepfl.engine.messages import MessageError
 from edgepfl.engine.progress import RoundProgress
-from edgepfl.engine.rng import derive_seed, generator, select_clients
-from edgepfl.engine.store import StackedStore
 from edgepfl.errors import ConfigError, EdgepflError
+from edgepfl.federation.messages import MessageError
+from edgepfl.federation.rng import derive_seed, generator, select_clients
+from edgepfl.federation.store import StackedStore
+from edgepfl.io import read_json, read_tensors, write_csv, write_json, write_tensors
 from edgepfl.models import DEFAULT_MODEL, MODELS, LayerSpec, build_model
 from edgepfl.system import (
     COST_COLUMNS,
@@ -119,7 +119,7 @@ def finish_run_dir(out: Path, cfg: Config, summary: dict, server: Server,
     write_json(out / "summary.json", summary)
     server.write_artifacts(out, cfg.output.plots)
     if cfg.output.plots:
-        from edgepfl.report.plots import plot_accuracy
+        from edgepfl.plotting import plot_accuracy
         plot_accuracy(metrics, out / "accuracy.png", f"{cfg.algorithm.name} on {cfg.dataset.name}")
 
 
@@ -345,7 +345,7 @@ class Simulation:
         write_json(out / "partition.json", part)
         write_json(out / "system.json", self.system.describe())
         if self.cfg.output.plots:
-            from edgepfl.report.plots import plot_partition
+            from edgepfl.plotting import plot_partition
             counts, _ = self.partition.class_counts(self.dataset.y_train, self.dataset.y_test)
             plot_partition(counts, out / "partition.png", self.dataset.classes)
 

@@ -13,9 +13,9 @@ import numpy as np
 
 from edgepfl.config import Config, build_config
 from edgepfl.data import load_dataset, make_partition
-from edgepfl.engine.io import write_bytes_atomic, write_csv
 from edgepfl.engine.simulation import resolve, resume_run, start_run
 from edgepfl.errors import EdgepflError
+from edgepfl.io import write_bytes_atomic, write_csv
 from edgepfl.report.plots import plot_curves
 
 COMPARISON_COLUMNS = ["algorithm", "model", "seed", "acc_mean_best", "best_round", "acc_mean_final",

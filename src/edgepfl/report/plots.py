@@ -1,68 +1,12 @@
-"""PNG plots written into run directories (matplotlib, no display needed)."""
+"""PNG plots of comparisons and reports (run-directory plots live in ``edgepfl.plotting``)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from edgepfl.engine.io import write_bytes_atomic  # noqa: E402
-
-
-def _save(fig, path: Path) -> None:
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    write_bytes_atomic(Path(path), buf.getvalue())
-
-
-def _evaluated(metrics: Sequence[dict]) -> list[dict]:
-    return [r for r in metrics if r.get("acc_mean") is not None and not math.isnan(r["acc_mean"])]
-
-
-def plot_accuracy(metrics: Sequence[dict], path: Path, title: str) -> None:
-    """Mean accuracy per round with the +-std band and the worst client."""
-    rows = _evaluated(metrics)
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    if rows:
-        r = np.array([row["round"] for row in rows])
-        mean = np.array([row["acc_mean"] for row in rows])
-        std = np.array([row["acc_std"] for row in rows])
-        ax.plot(r, mean, label="mean over clients")
-        ax.fill_between(r, mean - std, mean + std, alpha=0.2, label="± std")
-        ax.plot(r, [row["acc_min"] for row in rows], "--", lw=1, label="worst client")
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (each client, own test split)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    _save(fig, path)
-
-
-def plot_partition(counts: np.ndarray, path: Path, classes: Sequence[str] | None = None) -> None:
-    """Stacked bar per client of its train samples per class."""
-    n, c = counts.shape
-    fig, ax = plt.subplots(figsize=(max(5, min(16, 0.25 * n + 3)), 3.6))
-    bottom = np.zeros(n)
-    cmap = plt.get_cmap("tab20" if c > 10 else "tab10")
-    for k in range(c):
-        label = classes[k] if classes is not None and k < len(classes) and c <= 20 else None
-        ax.bar(np.arange(n), counts[:, k], bottom=bottom, color=cmap(k % cmap.N), label=label, width=0.85)
-        bottom += counts[:, k]
-    ax.set_xlabel("client")
-    ax.set_ylabel("train samples")
-    ax.set_title("per-client class distribution")
-    if c <= 20:
-        ax.legend(fontsize=6, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
-    _save(fig, path)
+from edgepfl.plotting import plt, save_figure
 
 
 def plot_curves(curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], path: Path,
@@ -78,4 +22,4 @@ def plot_curves(curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], pa
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgepfl.engine.io import read_json
 from edgepfl.errors import EdgepflError
+from edgepfl.io import read_json
 from edgepfl.system.cost import TOTAL_KEYS
 
 NA = "n/a"
@@ -185,7 +185,7 @@ def report_plots(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     """``accuracy_vs_bytes.png`` and ``accuracy_vs_time.png`` in ``out_dir``: mean accuracy
     at evaluated rounds against cumulative MB (up + down) and cumulative simulated seconds.
     A run without simulated times is left out of the time plot (and said so on it)."""
-    from edgepfl.report.plots import _save, plt
+    from edgepfl.plotting import plt, save_figure
 
     runs = load_runs(run_dirs)
     out_dir = Path(out_dir)
@@ -215,6 +215,6 @@ def report_plots(run_dirs: list[Path], out_dir: Path) -> list[Path]:
         if ax.get_lines():
             ax.legend(fontsize=8)
         path = out_dir / name
-        _save(fig, path)
+        save_figure(fig, path)
         written.append(path)
     return written

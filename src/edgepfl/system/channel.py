@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgepfl.engine.rng import derive_seed
+from edgepfl.federation.rng import derive_seed
 from edgepfl.system.config import SystemConfig
 
 # Watts per unit of the interference draws (Table 4 gives none; "noise" is handled apart

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgepfl.engine.rng import derive_seed
+from edgepfl.federation.rng import derive_seed
 from edgepfl.system.config import DeviceTier, SystemConfig
 
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+
+from edgepfl.federation.accounting import ACTIVE, ActiveCount
 
 
 @dataclass
@@ -37,36 +38,6 @@ class FlopCount:
     flops: int | None = None
     cached: bool = False
     excluded: int = 0  # FLOPs of ``not_counted`` blocks, left out of ``flops``
-
-
-@dataclass
-class _Active:
-    counter: FlopCounterMode
-    excluded: int = 0
-    depth: int = 0  # of open ``not_counted`` blocks: only the outermost one is measured
-
-
-_ACTIVE: ContextVar[_Active | None] = ContextVar("edgepfl_flop_meter", default=None)
-
-
-@contextmanager
-def not_counted() -> Iterator[None]:
-    """Run a block whose FLOPs the enclosing ``FlopMeter.measure`` leaves out.
-
-    For evaluation-only work inside a client's update; outside a measured block (or under
-    a cached count) it simply runs the block.
-    """
-    active = _ACTIVE.get()
-    if active is None or active.depth:
-        yield
-        return
-    before = active.counter.get_total_flops()
-    active.depth += 1
-    try:
-        yield
-    finally:
-        active.depth -= 1
-        active.excluded += active.counter.get_total_flops() - before
 
 
 class FlopMeter:
@@ -100,13 +71,13 @@ class FlopMeter:
             result.flops, result.cached = self._counts[key], True
             return
         counter = FlopCounterMode(display=False)
-        active = _Active(counter)
-        token = _ACTIVE.set(active)
+        active = ActiveCount(counter)
+        token = ACTIVE.set(active)
         try:
             with counter:
                 yield result
         finally:
-            _ACTIVE.reset(token)
+            ACTIVE.reset(token)
         # Only reached when the block completed: a failed block caches nothing.
         result.excluded = active.excluded
         result.flops = int(counter.get_total_flops()) - result.excluded
