@@ -2,7 +2,8 @@
 engine before the federation refactor, so that a change of the round loop that alters any
 existing run (one digit of one metric) fails ``test_golden.py``.
 
-Regenerate only on purpose (``python -m tests.golden``) and say why in the commit.
+Regenerate only on purpose (``python -m tests.golden``) and say why in the commit; a
+figure changed on purpose is amended by hand and listed under "amended" in the file.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from edgepfl.errors import ConfigError
+from edgepfl.federation.topology import tier_counts
 from edgepfl.system import (
     COST_COLUMNS,
     FlopMeter,
@@ -23,7 +24,6 @@ from edgepfl.system import (
     transfer_time,
     work_signature,
 )
-from edgepfl.system.devices import tier_counts
 
 # One deterministic link: every range collapsed to a point, no interference.
 POINT_LINK = {"profile": "custom", "client_bandwidth_mhz": [20, 20], "client_power_dbm": [30, 30],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import tomllib
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -41,6 +41,20 @@ class PartitionConfig(_Section):
 class ModelConfig(_Section):
     name: str | None = Field(None, description="architecture; default depends on the data set "
                              "(and its BatchNorm variant for fedbn)")
+    tiers: dict[str, str] = Field(
+        default_factory=dict, description="device tier -> architecture (needs system.devices = "
+        "'tiers'); a tier not named here uses model.name")
+
+
+class TopologyConfig(_Section):
+    edges: int = Field(0, ge=0, description="edge servers between clients and the cloud "
+                       "(0 = star: clients talk to the server directly)")
+    assignment: Literal["random", "contiguous", "explicit"] = Field(
+        "random", description="clients to edges: random (seeded, sizes differ by at most 1), "
+        "contiguous (clients 0..n/K-1 on edge 0, ...), explicit (topology.parents)")
+    parents: list[int] = Field(default_factory=list, description="explicit: each client's edge")
+    edge_rounds: int = Field(1, ge=1, description="k2: edge aggregations per cloud round "
+                             "(local epochs per edge round stay train.local_epochs, k1)")
 
 
 class TrainConfig(_Section):
@@ -50,7 +64,8 @@ class TrainConfig(_Section):
     lr: float = Field(0.01, gt=0, description="client SGD learning rate (KAPC paper: 0.01)")
     momentum: float = Field(0.0, ge=0, lt=1, description="client SGD momentum (reset every round)")
     weight_decay: float = Field(0.0, ge=0)
-    participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round")
+    participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round "
+                                 "(in a hierarchy: of each edge's clients)")
 
 
 class EvalConfig(_Section):
@@ -78,6 +93,7 @@ class Config(_Section):
     dataset: DatasetConfig = DatasetConfig()
     partition: PartitionConfig = PartitionConfig()
     model: ModelConfig = ModelConfig()
+    topology: TopologyConfig = TopologyConfig()
     train: TrainConfig = TrainConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     eval: EvalConfig = EvalConfig()

@@ -18,15 +18,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from edgepfl.algorithms.training import ClientData, Trainer
 from edgepfl.config import TrainConfig
+from edgepfl.federation.aggregate import ParamIndex
 from edgepfl.federation.messages import Message
+from edgepfl.federation.state import load_state, save_state
 from edgepfl.models.layers import LayerSpec
+
+if TYPE_CHECKING:
+    from edgepfl.federation.topology import Federation
 
 State = dict[str, torch.Tensor]
 
@@ -49,13 +54,59 @@ class Hyperparameters(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+@dataclass(frozen=True)
+class Architecture:
+    """One model architecture of a federation: its layers and seeded initial weights."""
+
+    name: str
+    layers: LayerSpec
+    init_model: State
+
+
 @dataclass
 class ServerContext:
+    """What a server (the cloud in a hierarchy) knows of its federation.
+
+    ``layers`` / ``init_model`` are those of the federation's first architecture (its only
+    one unless ``model.tiers`` gives clients different models); ``architectures`` has every
+    one and ``federation.arch[cid]`` says which a client holds.
+    """
+
     num_clients: int
     layers: LayerSpec
     init_model: State
     train: TrainConfig
     seed: int
+    federation: Federation | None = None
+    architectures: dict[str, Architecture] = field(default_factory=dict)
+
+    @property
+    def arch_of(self) -> tuple[str, ...]:
+        """Each client's architecture name."""
+        if self.federation is None:
+            return ("",) * self.num_clients
+        return self.federation.arch
+
+    def init_models(self) -> dict[str, State]:
+        """Architecture name -> its initial model."""
+        if not self.architectures:
+            return {"": self.init_model}
+        return {name: a.init_model for name, a in self.architectures.items()}
+
+    def param_index(self) -> ParamIndex | None:
+        """Which parameters of the architectures are the same; None with one architecture
+        (every client holds every parameter, and averaging is plain ``weighted_average``)."""
+        if len(self.architectures) <= 1:
+            return None
+        return ParamIndex(self.init_models())
+
+
+@dataclass
+class EdgeContext(ServerContext):
+    """An edge server's view: its id and the clients under it (``members``)."""
+
+    edge: int = 0
+    members: tuple[int, ...] = ()
 
 
 @dataclass
@@ -65,6 +116,7 @@ class ClientContext:
     train: TrainConfig
     num_classes: int
     seed: int
+    arch: str = ""
 
 
 @dataclass
@@ -74,7 +126,29 @@ class UpdateResult:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-class Server(ABC):
+class Stateful:
+    """A part whose resumable state is declared: ``state`` names the attributes that hold
+    it (tensors, models as name -> tensor mappings, StackedStores, JSON values), and the
+    runtime checkpoints them (``edgepfl.federation.state``)."""
+
+    state: ClassVar[tuple[str, ...]] = ()
+
+    def state_dict(self) -> State:
+        """The state's tensors (what the server's state bytes measure)."""
+        return save_state(self, self.state)[0]
+
+    def save_state(self) -> tuple[State, dict[str, Any]]:
+        return save_state(self, self.state)
+
+    def load_state(self, tensors: State, meta: dict[str, Any] | None = None) -> None:
+        load_state(self, self.state, tensors, meta or {})
+
+
+class Server(Stateful, ABC):
+    """The coordinating part: in a star it configures and aggregates clients; in a
+    client -> edge -> cloud hierarchy it is the cloud and its peers are the edges (the
+    keys of ``configure`` and ``aggregate`` are then edge ids)."""
+
     def __init__(self, ctx: ServerContext, hp: Any):
         self.ctx = ctx
         self.hp = hp
@@ -88,14 +162,6 @@ class Server(ABC):
     def eval_message(self, cid: int) -> Message | None:
         return None
 
-    def state_dict(self) -> State:
-        """Tensors the server needs to resume (checkpointed after every round)."""
-        return {}
-
-    def load_state_dict(self, state: State) -> None:
-        if state:
-            raise ValueError(f"{type(self).__name__} keeps no state but got {sorted(state)}")
-
     def round_metrics(self) -> dict[str, float]:
         """Algorithm-specific per-round figures for metrics.csv (e.g. layers uploaded)."""
         return {}
@@ -103,6 +169,36 @@ class Server(ABC):
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
         """Algorithm-specific files for the run directory (e.g. a relation-matrix heatmap),
         written when the run ends; use ``edgepfl.io`` so writes are atomic."""
+        return None
+
+
+class Edge(Stateful, ABC):
+    """An edge server between its clients and the cloud (hierarchical algorithms).
+
+    Per cloud round: ``receive`` what the cloud sent, then ``edge_rounds`` (k2) times
+    ``configure`` its selected clients and ``aggregate`` their replies, then ``report``
+    to the cloud. One object per edge; what it keeps between cloud rounds is declared
+    ``state`` like a server's.
+    """
+
+    def __init__(self, ctx: EdgeContext, hp: Any):
+        self.ctx = ctx
+        self.hp = hp
+
+    @abstractmethod
+    def receive(self, rnd: int, msg: Message) -> None: ...
+
+    @abstractmethod
+    def configure(self, rnd: int, step: int, selected: list[int]) -> dict[int, Message]: ...
+
+    @abstractmethod
+    def aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None: ...
+
+    @abstractmethod
+    def report(self, rnd: int) -> Message: ...
+
+    def eval_message(self, cid: int) -> Message | None:
+        """What client ``cid`` predicts with, if the edge holds it (else the cloud's)."""
         return None
 
 
@@ -145,6 +241,11 @@ class Algorithm:
     # appended to the data set's default model when model.name is left unset, if such a
     # model exists: FedBN is only FedBN on a model with BatchNorm ("_bn")
     model_variant: str = ""
+    # the edge-server part of a client -> edge -> cloud algorithm (None: star only)
+    edge: type[Edge] | None = None
+    # whether it runs on clients of different architectures (model.tiers); an algorithm
+    # whose maths needs one model for all (KAPC's relation cube) leaves it False
+    heterogeneous: bool = False
 
     def parse_hyperparameters(self, values: dict[str, Any]) -> Hyperparameters:
         from pydantic import ValidationError

@@ -1,6 +1,9 @@
 """FedAvg (McMahan et al., AISTATS 2017): one global model, sample-weighted averaging.
 
 Every client predicts with the global model, so this is the non-personalized reference.
+On a federation of several architectures (``model.tiers``) each parameter is averaged over
+exactly the clients whose architecture holds it (``ParamIndex.average_over_holders``): the
+layers the architectures share form one model, the rest stay per architecture.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData, weighted_average
+from edgepfl.algorithms.training import ClientData
+from edgepfl.federation.aggregate import ParamIndex, weighted_average
 from edgepfl.federation.messages import Message, MessageError
 
 
@@ -33,41 +37,58 @@ class FedAvgHyperparameters(Hyperparameters):
         "FedAvg/FedProx)")
 
 
-class FedAvgServer(Server):
-    def __init__(self, ctx: ServerContext, hp):
-        super().__init__(ctx, hp)
-        self.global_model: State = {k: v.clone() for k, v in ctx.init_model.items()}
+def num_samples(cid: int, reply: Message) -> int:
+    """A reply's sample count, checked (it weights the client's model in every average)."""
+    reply.require("num_samples")
+    n = reply.meta["num_samples"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise MessageError(f"client {cid} sent num_samples = {n!r}; expected an integer >= 0")
+    return n
 
-    def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
-        msg = Message(self.global_model)
-        return {cid: msg for cid in selected}
 
-    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
-        if not replies:
-            return
-        states, weights = [], []
+def average_models(ctx: ServerContext, index: ParamIndex | None, previous: State,
+                   replies: dict[int, Message]) -> State:
+    """FedAvg's step: the sample-weighted mean of the replies' models, each parameter over
+    the clients that hold it; ``previous`` when no reply carries weight."""
+    weights = {cid: num_samples(cid, reply) for cid, reply in replies.items()}
+    if not replies or sum(weights.values()) == 0:
+        return previous
+    if index is None:  # one architecture: every client holds every parameter
         for cid, reply in replies.items():
-            reply.require("num_samples")
-            n = reply.meta["num_samples"]
-            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise MessageError(f"client {cid} sent num_samples = {n!r}; expected an integer >= 0")
-            missing = set(self.global_model) - set(reply.tensors)
+            missing = set(previous) - set(reply.tensors)
             if missing:
                 raise MessageError(f"client {cid}'s model lacks {sorted(missing)}")
-            states.append(reply.tensors)
-            weights.append(n)
-        if sum(weights) == 0:
-            return
-        self.global_model = weighted_average(states, weights)
+        return weighted_average([r.tensors for r in replies.values()], list(weights.values()))
+    return index.average_over_holders({c: r.tensors for c, r in replies.items()}, weights,
+                                      ctx.arch_of, previous)
+
+
+class FedAvgServer(Server):
+    state = ("global_model",)
+
+    def __init__(self, ctx: ServerContext, hp):
+        super().__init__(ctx, hp)
+        self.index = ctx.param_index()
+        init = self.index.union(ctx.init_models()) if self.index else ctx.init_model
+        # with several architectures the global model is keyed by parameter identity
+        self.global_model: State = {k: v.clone() for k, v in init.items()}
+
+    def model_for(self, cid: int) -> State:
+        if self.index is None:
+            return self.global_model
+        return self.index.model(self.ctx.arch_of[cid], self.global_model)
+
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
+        if self.index is None:
+            msg = Message(self.global_model)
+            return {cid: msg for cid in selected}
+        return {cid: Message(self.model_for(cid)) for cid in selected}
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        self.global_model = average_models(self.ctx, self.index, self.global_model, replies)
 
     def eval_message(self, cid: int) -> Message | None:
-        return Message(self.global_model)
-
-    def state_dict(self) -> State:
-        return {f"global.{k}": v for k, v in self.global_model.items()}
-
-    def load_state_dict(self, state: State) -> None:
-        self.global_model = {k[len("global."):]: v.clone() for k, v in state.items()}
+        return Message(self.model_for(cid))
 
 
 class FedAvgClient(Client):
@@ -104,5 +125,6 @@ ALGORITHM = Algorithm(
     hyperparameters=FedAvgHyperparameters,
     server=FedAvgServer,
     client=FedAvgClient,
+    heterogeneous=True,
     paper="McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017",
 )

@@ -39,5 +39,6 @@ ALGORITHM = Algorithm(
     hyperparameters=FedProxHyperparameters,
     server=FedAvgServer,
     client=FedProxClient,
+    heterogeneous=True,
     paper="Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020",
 )

@@ -55,4 +55,5 @@ ALGORITHM = Algorithm(
     hyperparameters=LocalHyperparameters,
     server=LocalServer,
     client=LocalClient,
+    heterogeneous=True,
 )

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgepfl.federation.aggregate import weighted_average  # noqa: F401 (re-exported)
 from edgepfl.models.layers import LayerSpec
 
 State = dict[str, torch.Tensor]
@@ -228,21 +229,3 @@ class Trainer:
         return correct, loss
 
 
-def weighted_average(states: Sequence[Mapping[str, torch.Tensor]],
-                     weights: Sequence[float] | torch.Tensor) -> State:
-    """Sample-weighted mean of model states (integer buffers: taken from the first)."""
-    if not states:
-        raise ValueError("cannot average zero states")
-    w = torch.as_tensor(weights, dtype=torch.float64)
-    if (w < 0).any() or float(w.sum()) <= 0:
-        raise ValueError(f"averaging weights must be non-negative with a positive sum, got {w.tolist()}")
-    w = (w / w.sum()).tolist()
-    out: State = {name: t.clone() for name, t in states[0].items() if not t.is_floating_point()}
-    names = [name for name, t in states[0].items() if t.is_floating_point()]
-    # running sum in place: stacking N models first costs an N-model copy and is ~10x
-    # slower at 100 clients (bench/README.md, server time)
-    acc = torch._foreach_mul([states[0][n] for n in names], w[0])
-    for state, wi in zip(states[1:], w[1:], strict=True):
-        torch._foreach_add_(acc, [state[n] for n in names], alpha=wi)
-    out.update(zip(names, acc, strict=True))
-    return {name: out[name] for name in states[0]}

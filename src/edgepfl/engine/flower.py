@@ -64,35 +64,35 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 if TYPE_CHECKING:
     from flwr.supercore.run import Run
 
-from edgepfl import __version__
 from edgepfl.algorithms.base import Client
 from edgepfl.algorithms.training import ClientData
 from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.data.datasets import Dataset, load_dataset
 from edgepfl.data.partition import Partition
+from edgepfl.engine.parts import Parts, load_federation, resolve
 from edgepfl.engine.progress import RoundProgress
-from edgepfl.engine.simulation import (
+from edgepfl.engine.rounds import (
     METRIC_COLUMNS,
-    Parts,
-    accuracy_row,
-    accuracy_summary,
-    client_split,
-    finish_run_dir,
-    load_federation,
+    ClientReply,
+    Figures,
+    Rounds,
+    Transport,
     metric_columns,
-    resolve,
 )
+from edgepfl.engine.simulation import client_split, finish_run_dir
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message, MessageError
-from edgepfl.federation.rng import derive_seed, generator, select_clients
+from edgepfl.federation.rng import derive_seed, generator
+from edgepfl.federation.topology import CLOUD
 from edgepfl.io import write_csv, write_json
-from edgepfl.system import COST_COLUMNS, state_bytes
+from edgepfl.system import COST_COLUMNS
 
 TENSORS = "edgepfl.tensors"
 META = "edgepfl.meta"
 STATS = "edgepfl.stats"
 STATE = "edgepfl.state"
 PARTITION_ID = "partition-id"
+EDGE_ID = "edge-id"
 OUT = "out"
 WAIT = "wait"
 TIMEOUT = "timeout"
@@ -176,13 +176,19 @@ def partition_id(context: Context, num_clients: int) -> int:
 @dataclass
 class _Node:
     """What a process serving clients builds once per configuration: the data, and one
-    algorithm client part (it keeps no per-client memory, as in the simulation, so one
-    serves every client a process hosts)."""
+    algorithm client part per architecture (it keeps no per-client memory, as in the
+    simulation, so one serves every client of that architecture a process hosts)."""
 
     parts: Parts
-    client: Client
+    clients: dict[str, Client]
     dataset: Dataset
     partition: Partition
+
+    def client(self, cid: int) -> Client:
+        return self.clients[self.parts.federation.arch[cid]]
+
+    def trainer(self, cid: int):
+        return self.parts.trainers[self.parts.federation.arch[cid]]
 
     def split(self, cid: int) -> tuple[ClientData, tuple[torch.Tensor, torch.Tensor]]:
         return client_split(self.dataset, self.partition, cid)
@@ -192,8 +198,8 @@ class _Node:
 def _node(config_json: str) -> _Node:
     cfg = build_config(json.loads(config_json))
     dataset, partition = load_federation(cfg)
-    parts = Parts.build(cfg, dataset)
-    return _Node(parts, parts.client(), dataset, partition)
+    parts = Parts.build(cfg, dataset, partition.num_clients)
+    return _Node(parts, parts.clients(), dataset, partition)
 
 
 def _client(context: Context) -> tuple[Config, int, _Node]:
@@ -204,12 +210,15 @@ def _client(context: Context) -> tuple[Config, int, _Node]:
 
 def _state(context: Context, node: _Node, cid: int) -> dict[str, torch.Tensor]:
     if STATE not in context.state:
-        return node.client.init_state(cid, node.parts.init_model)
+        arch = node.parts.architectures[node.parts.federation.arch[cid]]
+        return node.client(cid).init_state(cid, arch.init_model)
     return {k: torch.from_numpy(np.array(a.numpy(), copy=True))
             for k, a in context.state[STATE].items()}
 
 
 def _round(message: FlowerMessage) -> int:
+    """The message's group id: the client step of a train message (the round in a star;
+    (round - 1) * k2 + edge round in a hierarchy), the round of an evaluate message."""
     try:
         rnd = int(message.metadata.group_id)
     except ValueError:
@@ -227,7 +236,11 @@ client_app = ClientApp()
 def _query(message: FlowerMessage, context: Context) -> FlowerMessage:
     cfg = config_from_run(context.run_config)
     cid = partition_id(context, cfg.partition.clients)
-    return FlowerMessage(RecordDict({META: ConfigRecord({PARTITION_ID: cid})}), reply_to=message)
+    said = {PARTITION_ID: cid}
+    edge = context.node_config.get(EDGE_ID)
+    if edge is not None:
+        said[EDGE_ID] = edge
+    return FlowerMessage(RecordDict({META: ConfigRecord(said)}), reply_to=message)
 
 
 @client_app.train()
@@ -238,7 +251,8 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     state = _state(context, node, cid)
     torch.manual_seed(derive_seed(cfg.seed, "torch", rnd, cid))
     train, _ = node.split(cid)
-    result = node.client.update(cid, msg, state, train, generator(cfg.seed, "client", rnd, cid))
+    result = node.client(cid).update(cid, msg, state, train,
+                                     generator(cfg.seed, "client", rnd, cid))
     # entries a client does not return keep their value, as in the simulation's store
     kept = {**state, **result.state}
     context.state[STATE] = ArrayRecord(
@@ -257,9 +271,9 @@ def _evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     _, (x, y) = node.split(cid)
     correct, loss = 0, 0.0
     if y.numel():
-        node.parts.trainer.forget()
-        model = node.client.personal_model(_state(context, node, cid), eval_msg)
-        correct, loss = node.parts.trainer.evaluate(model, x, y)
+        node.trainer(cid).forget()
+        model = node.client(cid).personal_model(_state(context, node, cid), eval_msg)
+        correct, loss = node.trainer(cid).evaluate(model, x, y)
     record = MetricRecord({"correct": int(correct), "count": int(y.numel()), "loss": float(loss)})
     return FlowerMessage(RecordDict({STATS: record}), reply_to=message)
 
@@ -306,9 +320,12 @@ def _figures(reply: FlowerMessage, cid: int, *keys: str) -> MetricRecord:
 
 
 def discover(grid: Grid, num_clients: int, wait_s: float = 0.0,
-             timeout: float = SERVER_KEYS[TIMEOUT]) -> dict[int, int]:
+             timeout: float = SERVER_KEYS[TIMEOUT],
+             parents: tuple[int, ...] | None = None) -> dict[int, int]:
     """Client id -> node id, from every node's answer to a query, once ``num_clients``
-    nodes are connected or ``wait_s`` seconds have passed (SuperNodes join when they start)."""
+    nodes are connected or ``wait_s`` seconds have passed (SuperNodes join when they start).
+    A node that names its edge (node config ``edge-id``) must name the one the federation
+    gives its client (``parents``), or the run is refused before round 1."""
     deadline = time.monotonic() + wait_s
     node_ids = sorted(grid.get_node_ids())
     while len(node_ids) < num_clients and time.monotonic() < deadline:
@@ -328,6 +345,14 @@ def discover(grid: Grid, num_clients: int, wait_s: float = 0.0,
         if cid in nodes:
             raise ConfigError(f"nodes {nodes[cid]} and {reply.metadata.src_node_id} both say "
                               f"{PARTITION_ID}={cid}")
+        edge = said.get(EDGE_ID)
+        if edge is not None and parents is not None and 0 <= cid < len(parents):
+            expected = "none (a star)" if parents[cid] == CLOUD else parents[cid]
+            if isinstance(edge, bool) or not isinstance(edge, int) or edge != parents[cid]:
+                raise ConfigError(f"node {reply.metadata.src_node_id} (client {cid}) says "
+                                  f"{EDGE_ID}={edge!r}, but the federation puts client {cid} on "
+                                  f"edge {expected} (topology.* settings; federation.json of a "
+                                  "simulated run lists every client's edge)")
         nodes[int(cid)] = reply.metadata.src_node_id
     missing = sorted(set(range(num_clients)) - set(nodes))
     if missing:
@@ -336,8 +361,39 @@ def discover(grid: Grid, num_clients: int, wait_s: float = 0.0,
     return nodes
 
 
+class FlowerTransport(Transport):
+    """Client messages over a Flower ``Grid``: one SuperNode per client; its train and
+    evaluate messages carry the client step or round as their ``group_id``."""
+
+    def __init__(self, grid: Grid, nodes: Mapping[int, int], timeout: float):
+        self.grid, self.nodes, self.timeout = grid, nodes, timeout
+
+    def train(self, step: int, messages: dict[int, Message]) -> dict[int, ClientReply]:
+        replies = _exchange(self.grid, self.nodes,
+                            {cid: to_content(m) for cid, m in messages.items()},
+                            "train", str(step), self.timeout)
+        out = {}
+        for cid, reply in replies.items():
+            figures = _figures(reply, cid, "num_samples")
+            stats = {k: float(v) for k, v in figures.items() if k != "num_samples"}
+            out[cid] = ClientReply(from_content(reply.content), int(figures["num_samples"]), stats)
+        return out
+
+    def evaluate(self, rnd: int, messages: dict[int, Message | None]) -> dict[int, Figures]:
+        replies = _exchange(self.grid, self.nodes,
+                            {cid: to_content(m) for cid, m in messages.items()},
+                            "evaluate", str(rnd), self.timeout)
+        out = {}
+        for cid, reply in replies.items():
+            f = _figures(reply, cid, "correct", "count", "loss")
+            out[cid] = Figures(int(f["correct"]), int(f["count"]), float(f["loss"]))
+        return out
+
+
 def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None = False) -> FlowerResult:
-    """The ServerApp's round loop: the simulation's, with a Flower Grid as the link."""
+    """The ServerApp: the shared round protocol (``engine.rounds``) over the Flower Grid.
+    Edge servers, if any, are parts of this process: their messages to and from the cloud
+    are counted on the backhaul, their messages to clients cross the Grid."""
     cfg = config_from_run(run_config)
     wait, timeout = seconds(run_config, WAIT), seconds(run_config, TIMEOUT)
     out = Path(str(run_config[OUT])) if run_config.get(OUT) else None
@@ -347,76 +403,25 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
     dataset = load_dataset(cfg.dataset.name, cfg.dataset.root, cfg.dataset.fraction, cfg.seed,
                            cfg.dataset.download)
     n = cfg.partition.clients
-    parts = Parts.build(cfg, dataset)
-    server = parts.server(n)
-    nodes = discover(grid, n, wait, timeout)
+    parts = Parts.build(cfg, dataset, n)
+    nodes = discover(grid, n, wait, timeout, parts.federation.parent)
+    rounds = Rounds(parts, FlowerTransport(grid, nodes, timeout))
     if out is not None:
         write_json(out / "config.json", cfg.model_dump())
-    metrics: list[dict] = []
-    client_acc: list[float] = []
-    bytes_up, bytes_down = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    server_bytes = state_bytes(server.state_dict())
+        write_json(out / "federation.json", parts.federation.to_json())
     bar = RoundProgress(cfg.train.rounds, 0, f"{cfg.algorithm.name} on Flower", progress)
     try:
-        for rnd in range(1, cfg.train.rounds + 1):
-            t0 = time.perf_counter()
-            selected = select_clients(cfg.seed, rnd, n, cfg.train.participation)
-            down = server.configure(rnd, selected)
-            if set(down) != set(selected):
-                raise MessageError(f"server configured clients {sorted(down)} but round {rnd} "
-                                   f"selected {selected}")
-            replies = _exchange(grid, nodes, {cid: to_content(down[cid]) for cid in selected},
-                                "train", str(rnd), timeout)
-            up = {cid: from_content(r.content) for cid, r in replies.items()}
-            server.aggregate(rnd, up)
-            sent_up = {cid: up[cid].nbytes for cid in selected}
-            sent_down = {cid: down[cid].nbytes for cid in selected}
-            for cid in selected:
-                bytes_up[cid] += sent_up[cid]
-                bytes_down[cid] += sent_down[cid]
-            server_bytes = max(server_bytes, state_bytes(server.state_dict()))
-            stats = [_figures(r, cid, "num_samples") for cid, r in replies.items()]
-            losses = [(f["train_loss"], f["num_samples"]) for f in stats if "train_loss" in f]
-            row: dict = {"round": rnd, "bytes_up": sum(sent_up.values()),
-                         "bytes_down": sum(sent_down.values()),
-                         "clients": len(selected),
-                         "train_loss": float(np.average([v for v, _ in losses],
-                                                        weights=[w for _, w in losses]))
-                         if losses else math.nan}
-            if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
-                evals = _exchange(grid, nodes, {cid: to_content(server.eval_message(cid))
-                                                for cid in range(n)}, "evaluate", str(rnd), timeout)
-                figures = [_figures(evals[cid], cid, "correct", "count", "loss") for cid in range(n)]
-                client_acc = [f["correct"] / f["count"] if f["count"] else math.nan for f in figures]
-                losses_eval = [f["loss"] / f["count"] if f["count"] else math.nan for f in figures]
-                row.update(accuracy_row(client_acc, losses_eval,
-                                        np.array([f["count"] for f in figures])))
-            else:
-                row.update(acc_mean=math.nan, acc_weighted=math.nan, acc_std=math.nan,
-                           acc_min=math.nan, loss=math.nan)
-            row.update(server.round_metrics())
-            row["wall_s"] = time.perf_counter() - t0
-            metrics.append(row)
+        while rounds.round < cfg.train.rounds:
+            row = rounds.step()
             if out is not None:
-                write_csv(out / "metrics.csv", metric_columns(metrics, COLUMNS), metrics)
-            bar.update(rnd, row)
+                write_csv(out / "metrics.csv", metric_columns(rounds.metrics, COLUMNS), rounds.metrics)
+            bar.update(rounds.round, row)
     finally:
         bar.close()
-    summary = {"algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name,
-               "model": cfg.model.name, "clients": n, "rounds": len(metrics), "seed": cfg.seed,
-               "participation": cfg.train.participation, "runtime": "flower",
-               **accuracy_summary(metrics, client_acc),
-               "bytes_up_total": int(bytes_up.sum()), "bytes_down_total": int(bytes_down.sum()),
-               "bytes_up_per_client": bytes_up.tolist(),
-               "bytes_down_per_client": bytes_down.tolist(),
-               "wall_time_s": sum(r["wall_s"] for r in metrics),
-               "server_state_bytes": server_bytes,
-               "model_params": parts.layers.numel,
-               "layers": parts.layers.names,
-               "edgepfl_version": __version__}
+    summary = rounds.summary(runtime="flower")
     if out is not None:
-        finish_run_dir(out, cfg, summary, server, metrics)
-    return FlowerResult(summary, metrics, out)
+        finish_run_dir(out, cfg, summary, rounds.server, rounds.metrics)
+    return FlowerResult(summary, rounds.metrics, out)
 
 
 server_app = ServerApp()

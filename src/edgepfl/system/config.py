@@ -98,6 +98,12 @@ class SystemConfig(BaseModel):
         list(HMPL_TIERS), description="tiers: device classes (name, flops, share); shares sum to 1")
     server_flops: float = Field(1e11, gt=0, description="server compute speed, FLOP/s")
 
+    # -- edge servers (topology.edges > 0) -------------------------------------------------
+    backhaul_mbps: float = Field(
+        100.0, gt=0, description="edge <-> cloud backhaul rate, Mbit/s, each direction (a wired "
+        "link; clients keep their wireless access link to their edge)")
+    edge_flops: float = Field(1e11, gt=0, description="edge server compute speed, FLOP/s")
+
     # -- timing and counting ------------------------------------------------------------------
     round_timing: Literal["phase", "chain"] = Field(
         "phase", description="phase: every phase waits for its slowest client (KAPC Table 5); "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,10 +28,23 @@ from edgepfl.system.channel import Links, draw_links, transfer_time
 from edgepfl.system.config import SystemConfig
 from edgepfl.system.devices import Devices, draw_devices
 
-# Per-round columns for metrics.csv, and the summary totals derived from them.
+# Per-round columns for metrics.csv, and the summary totals derived from them. A star's
+# rounds have no backhaul and no edge compute: those two are 0 there.
 COST_COLUMNS = ["t_down", "t_compute", "t_up", "t_server", "t_round", "flops_client",
-                "flops_server"]
+                "flops_server", "t_backhaul", "t_edge"]
 TOTAL_KEYS = {c: f"{c}_total" for c in COST_COLUMNS}
+
+
+@dataclass
+class EdgeStep:
+    """One edge aggregation of one edge: its selected clients' bytes and FLOPs, and the
+    FLOPs the edge spent configuring and aggregating."""
+
+    selected: list[int]
+    bytes_down: dict[int, int]
+    bytes_up: dict[int, int]
+    flops_client: dict[int, int] | None
+    flops_edge: int | None
 
 
 class SystemModel:
@@ -117,6 +131,55 @@ class SystemModel:
             "flops_client": (math.nan if flops_client is None
                              else float(sum(int(flops_client.get(c, 0)) for c in selected))),
             "flops_server": math.nan if flops_server is None else float(flops_server),
+            "t_backhaul": 0.0, "t_edge": 0.0,
+        }
+
+    def hierarchical_costs(self, steps: Mapping[int, list[EdgeStep]],
+                           backhaul_down: Mapping[int, int], backhaul_up: Mapping[int, int],
+                           flops_server: int | None) -> dict[str, float]:
+        """A cloud round of a client -> edge -> cloud hierarchy.
+
+        Edges work in parallel; edge k's round is its backhaul download, then its k2 edge
+        rounds one after another (each priced like a star round of its own clients, with
+        the edge's configure/aggregate FLOPs at ``edge_flops`` as its server time), then
+        its backhaul upload, all over ``backhaul_mbps``. The cloud round waits for the
+        slowest edge (the critical one, whose phases the columns report, so they add up
+        to ``t_round``) and then aggregates (``t_server``)."""
+        rate = self.cfg.backhaul_mbps * 1e6
+        per_edge = {}
+        for k, edge_steps in steps.items():
+            parts = {"t_down": 0.0, "t_compute": 0.0, "t_up": 0.0, "t_edge": 0.0,
+                     "t_backhaul": (transfer_time(int(backhaul_down.get(k, 0)), rate)
+                                    + transfer_time(int(backhaul_up.get(k, 0)), rate))}
+            for st in edge_steps:
+                c = self.round_costs(st.selected, st.bytes_down, st.bytes_up, st.flops_client,
+                                     None if st.flops_edge is None else 0)
+                parts["t_down"] += c["t_down"]
+                parts["t_compute"] += c["t_compute"]
+                parts["t_up"] += c["t_up"]
+                parts["t_edge"] += (math.nan if st.flops_edge is None
+                                    else st.flops_edge / self.cfg.edge_flops)
+            per_edge[k] = parts
+        t_server = math.nan if flops_server is None else flops_server / self.cfg.server_flops
+
+        def total(k: int) -> float:
+            e = per_edge[k]
+            return e["t_backhaul"] + e["t_down"] + e["t_compute"] + e["t_up"] + e["t_edge"]
+
+        critical = max(sorted(per_edge), key=lambda k: (math.inf if math.isnan(total(k))
+                                                         else total(k)))
+        e = per_edge[critical]
+        counted = [st for edge_steps in steps.values() for st in edge_steps]
+        no_flops = any(st.flops_client is None for st in counted)
+        return {
+            "t_down": e["t_down"], "t_compute": e["t_compute"], "t_up": e["t_up"],
+            "t_server": t_server, "t_round": total(critical) + t_server,
+            "flops_client": (math.nan if no_flops else float(sum(
+                int(st.flops_client.get(c, 0)) for st in counted for c in st.selected))),
+            "flops_server": (math.nan if flops_server is None or any(
+                st.flops_edge is None for st in counted)
+                else float(flops_server + sum(st.flops_edge for st in counted))),
+            "t_backhaul": e["t_backhaul"], "t_edge": e["t_edge"],
         }
 
     # -- run files -----------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""What a run builds from its configuration, the same way wherever it runs (the
+simulation, a Flower ServerApp, a Flower ClientApp): the federation's description, each
+architecture's seeded initial model, the algorithm's server, edge and client parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edgepfl.algorithms import ClientContext, ServerContext, get_algorithm
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Architecture,
+    Client,
+    Edge,
+    EdgeContext,
+    Hyperparameters,
+    Server,
+)
+from edgepfl.algorithms.training import Trainer
+from edgepfl.config import Config, build_config
+from edgepfl.data import load_dataset, make_partition
+from edgepfl.data.datasets import Dataset
+from edgepfl.data.partition import Partition
+from edgepfl.errors import ConfigError
+from edgepfl.federation.aggregate import ParamIndex
+from edgepfl.federation.rng import derive_seed
+from edgepfl.federation.topology import Federation
+from edgepfl.models import DEFAULT_MODEL, MODELS, LayerSpec, build_model
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill in what defaults depend on (model per data set, algorithm hyperparameters)."""
+    algo = get_algorithm(cfg.algorithm.name)
+    hp = algo.parse_hyperparameters(cfg.algorithm.hyperparameters())
+    data = cfg.model_dump()
+    if data["model"]["name"] is None:
+        base = DEFAULT_MODEL.get(cfg.dataset.name, "mlp")
+        variant = base + algo.model_variant
+        data["model"]["name"] = variant if variant in MODELS else base
+    for tier, name in data["model"]["tiers"].items():
+        if name not in MODELS:
+            raise ConfigError(f"model.tiers.{tier} = {name!r} is not a known model; valid: "
+                              f"{', '.join(MODELS)}")
+    data["algorithm"] = {"name": algo.name, **hp.model_dump()}
+    return build_config(data)
+
+
+def load_federation(cfg: Config, dataset: Dataset | None = None,
+                    partition: Partition | None = None) -> tuple[Dataset, Partition]:
+    """The run's data set and its seeded split over the clients (either may be given)."""
+    dataset = dataset or load_dataset(cfg.dataset.name, cfg.dataset.root, cfg.dataset.fraction,
+                                      cfg.seed, cfg.dataset.download)
+    partition = partition or make_partition(
+        dataset.y_train, dataset.y_test, dataset.num_classes, cfg.partition.scheme,
+        cfg.partition.clients, cfg.seed, alpha=cfg.partition.alpha,
+        min_size=cfg.partition.min_size, classes_per_client=cfg.partition.classes_per_client)
+    return dataset, partition
+
+
+def _check_algorithm(algorithm: Algorithm, federation: Federation) -> None:
+    from edgepfl.algorithms import ALGORITHMS
+
+    if federation.hierarchical and algorithm.edge is None:
+        valid = [a.name for a in ALGORITHMS.values() if a.edge is not None]
+        raise ConfigError(f"algorithm.name = {algorithm.name!r} runs on a star (server and "
+                          f"clients), but topology.edges = {federation.edges}; algorithms with "
+                          f"edge servers: {', '.join(valid)} (or set topology.edges = 0)")
+    if not federation.hierarchical and algorithm.edge is not None:
+        raise ConfigError(f"algorithm.name = {algorithm.name!r} needs edge servers; set "
+                          f"topology.edges between 1 and partition.clients")
+    archs = federation.architectures
+    if len(archs) > 1 and not algorithm.heterogeneous:
+        valid = [a.name for a in ALGORITHMS.values() if a.heterogeneous]
+        raise ConfigError(f"algorithm.name = {algorithm.name!r} needs one model architecture for "
+                          f"every client, but model.tiers gives {len(archs)} ({', '.join(archs)}); "
+                          f"algorithms for clients of different architectures: {', '.join(valid)}")
+
+
+@dataclass
+class Parts:
+    cfg: Config
+    algorithm: Algorithm
+    hp: Hyperparameters
+    federation: Federation
+    architectures: dict[str, Architecture]
+    trainers: dict[str, Trainer]
+    num_classes: int
+
+    @classmethod
+    def build(cls, cfg: Config, dataset: Dataset, num_clients: int | None = None) -> Parts:
+        """``cfg`` resolved. Each architecture's initial model is drawn from the run's seed
+        (``model.name``'s from the seed alone, as every run has); a parameter that
+        architectures share starts from one value, the first architecture's."""
+        algorithm = get_algorithm(cfg.algorithm.name)
+        hp = algorithm.parse_hyperparameters(cfg.algorithm.hyperparameters())
+        federation = Federation.build(cfg, num_clients or cfg.partition.clients)
+        _check_algorithm(algorithm, federation)
+        trainers: dict[str, Trainer] = {}
+        models: dict[str, dict[str, torch.Tensor]] = {}
+        for name in federation.architectures:
+            parts = ("init",) if name == cfg.model.name else ("init", name)
+            torch.manual_seed(derive_seed(cfg.seed, *parts))
+            model = build_model(name, dataset.input_shape, dataset.num_classes)
+            trainers[name] = Trainer(model, cfg.eval.batch_size)
+            models[name] = trainers[name].export()
+        if len(models) > 1:
+            index = ParamIndex(models)
+            first = index.union(models)
+            models = {a: index.model(a, first) for a in models}
+            for name, model in models.items():
+                trainers[name].load(model)
+        architectures = {name: Architecture(name, LayerSpec.from_model(trainers[name].model),
+                                            {k: v.clone() for k, v in models[name].items()})
+                         for name in models}
+        return cls(cfg, algorithm, hp, federation, architectures, trainers, dataset.num_classes)
+
+    # the first architecture (the only one unless model.tiers says otherwise)
+    @property
+    def first(self) -> Architecture:
+        return next(iter(self.architectures.values()))
+
+    @property
+    def layers(self) -> LayerSpec:
+        return self.first.layers
+
+    @property
+    def init_model(self) -> dict[str, torch.Tensor]:
+        return self.first.init_model
+
+    @property
+    def trainer(self) -> Trainer:
+        return self.trainers[self.first.name]
+
+    def _server_ctx(self) -> ServerContext:
+        cfg = self.cfg
+        return ServerContext(self.federation.num_clients, self.layers, self.init_model, cfg.train,
+                             cfg.seed, self.federation, self.architectures)
+
+    def server(self, num_clients: int | None = None) -> Server:
+        return self.algorithm.server(self._server_ctx(), self.hp)
+
+    def edge(self, k: int) -> Edge:
+        assert self.algorithm.edge is not None
+        base = self._server_ctx()
+        ctx = EdgeContext(**{f: getattr(base, f) for f in base.__dataclass_fields__},
+                          edge=k, members=tuple(self.federation.members(k)))
+        return self.algorithm.edge(ctx, self.hp)
+
+    def client(self, arch: str | None = None) -> Client:
+        """The client part for architecture ``arch`` (default: the first); it serves every
+        client of that architecture and keeps no per-client memory."""
+        cfg = self.cfg
+        a = self.architectures[arch or self.first.name]
+        return self.algorithm.client(ClientContext(self.trainers[a.name], a.layers, cfg.train,
+                                                   self.num_classes, cfg.seed, a.name), self.hp)
+
+    def clients(self) -> dict[str, Client]:
+        return {name: self.client(name) for name in self.architectures}

@@ -1,0 +1,345 @@
+"""The round protocol, written once for every runtime.
+
+    star:       select -> server.configure -> clients -> server.aggregate -> evaluate
+    hierarchy:  select (per edge) -> cloud.configure -> edges.receive
+                -> k2 x (edge.configure -> clients -> edge.aggregate)
+                -> edges.report -> cloud.aggregate -> evaluate
+
+A ``Transport`` carries the client messages: ``InProcess`` (the simulation) calls the
+client parts directly on stacked state, ``FlowerTransport`` sends them over a Flower
+``Grid``. Everything else (sampling, the algorithm's server and edge parts, the byte count
+of every message on its own link, the FLOPs of server and edge work, evaluation figures,
+the metrics row, the summary) happens here, so both runtimes produce the same figures.
+Messages between an edge and the cloud are delivered here too (copied, counted on the
+backhaul); on Flower the edges are logical parts of the ServerApp process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from edgepfl import __version__
+from edgepfl.algorithms.base import Edge, Server
+from edgepfl.config import Config
+from edgepfl.engine.parts import Parts
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.topology import CLOUD
+from edgepfl.system import COST_COLUMNS, FlopMeter, SystemModel, cost_totals, state_bytes
+from edgepfl.system.cost import EdgeStep
+
+LINK_COLUMNS = ["bytes_up_client", "bytes_down_client", "bytes_up_edge", "bytes_down_edge"]
+METRIC_COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss",
+                  "train_loss", "bytes_up", "bytes_down", "clients", "wall_s", *COST_COLUMNS,
+                  *LINK_COLUMNS]
+NO_EVAL = {"acc_mean": math.nan, "acc_weighted": math.nan, "acc_std": math.nan,
+           "acc_min": math.nan, "loss": math.nan}
+
+
+@dataclass
+class ClientReply:
+    message: Message
+    num_samples: int
+    stats: dict[str, float] = field(default_factory=dict)
+    flops: int | None = None  # counted local-training FLOPs (None: not measured)
+
+
+@dataclass
+class Figures:
+    """A client's evaluation: correct predictions, test samples, summed loss."""
+
+    correct: int
+    count: int
+    loss: float
+
+
+class Transport(ABC):
+    """How the round's messages reach the clients and their replies come back."""
+
+    #: whether ``train`` reports each client's FLOPs (the simulation counts them)
+    counts_flops: bool = False
+
+    @abstractmethod
+    def train(self, step: int, messages: dict[int, Message]) -> dict[int, ClientReply]:
+        """Deliver ``messages`` (client -> what it receives) for client step ``step`` (the
+        round in a star; (round - 1) * k2 + edge round in a hierarchy, which seeds the
+        clients' work) and return each client's reply in the order of ``messages``."""
+
+    @abstractmethod
+    def evaluate(self, rnd: int, messages: dict[int, Message | None]) -> dict[int, Figures]:
+        """Each client's personalized model on its own test split."""
+
+
+def metric_columns(metrics: list[dict], base: list[str] = METRIC_COLUMNS) -> list[str]:
+    """``base`` and then every other key the rows have (an algorithm's own figures)."""
+    return base + list(dict.fromkeys(k for row in metrics for k in row if k not in base))
+
+
+def accuracy_row(accs: list[float], losses: list[float], test_sizes: np.ndarray) -> dict:
+    """A round's evaluation figures from every client's accuracy and mean loss (NaN for a
+    client without test samples): unweighted mean, weighted mean, spread, worst."""
+    acc = np.array(accs)
+    ok = ~np.isnan(acc)
+    return {"acc_mean": float(acc[ok].mean()),
+            "acc_weighted": float(np.average(acc[ok], weights=test_sizes[ok])),
+            "acc_std": float(acc[ok].std()),
+            "acc_min": float(acc[ok].min()),
+            "loss": float(np.nanmean(losses))}
+
+
+def accuracy_summary(metrics: list[dict], client_acc: list[float]) -> dict:
+    """Best round (the papers' figure), final round and its spread, from evaluated rows."""
+    evaluated = [r for r in metrics if not math.isnan(r["acc_mean"])]
+    best = max(evaluated, key=lambda r: r["acc_mean"]) if evaluated else None
+    final = evaluated[-1] if evaluated else None
+    return {
+        "acc_mean_best": best["acc_mean"] if best else None,
+        "best_round": best["round"] if best else None,
+        "acc_mean_final": final["acc_mean"] if final else None,
+        "acc_weighted_final": final["acc_weighted"] if final else None,
+        "acc_std_final": final["acc_std"] if final else None,
+        "acc_min_final": final["acc_min"] if final else None,
+        "final_round": final["round"] if final else None,
+        "acc_clients_final": client_acc,
+    }
+
+
+class Rounds:
+    """One run's federation state and its round loop, over any transport."""
+
+    def __init__(self, parts: Parts, transport: Transport, system: SystemModel | None = None,
+                 flops: FlopMeter | None = None):
+        self.parts = parts
+        self.cfg: Config = parts.cfg
+        self.federation = fed = parts.federation
+        self.transport = transport
+        self.system = system
+        self.flops = flops or FlopMeter(enabled=False)
+        n = fed.num_clients
+        self.server: Server = parts.server()
+        self.edges: list[Edge] = [parts.edge(k) for k in range(fed.edges)]
+        self.round = 0
+        self.metrics: list[dict] = []
+        self.client_acc: list[float] = []
+        self.bytes_up = np.zeros(n, dtype=np.int64)  # client -> its parent
+        self.bytes_down = np.zeros(n, dtype=np.int64)
+        self.edge_bytes_up = np.zeros(fed.edges, dtype=np.int64)  # edge -> cloud
+        self.edge_bytes_down = np.zeros(fed.edges, dtype=np.int64)
+        self.wall_time = 0.0
+        self.server_state_bytes = self._state_bytes()
+
+    def _state_bytes(self) -> int:
+        return state_bytes(self.server.state_dict()) + sum(
+            state_bytes(e.state_dict()) for e in self.edges)
+
+    # -- one round ------------------------------------------------------------------------
+    def step(self) -> dict:
+        cfg = self.cfg
+        rnd = self.round + 1
+        t0 = time.perf_counter()
+        selected = self.federation.select(cfg.seed, rnd, cfg.train.participation)
+        if self.federation.hierarchical:
+            row, losses = self._hierarchical_round(rnd, selected)
+        else:
+            row, losses = self._star_round(rnd, selected)
+        row["train_loss"] = (float(np.average([v for v, _ in losses], weights=[w for _, w in losses]))
+                             if losses else math.nan)
+        self.server_state_bytes = max(self.server_state_bytes, self._state_bytes())
+        if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
+            row.update(self.evaluate(rnd))
+        else:
+            row.update(NO_EVAL)
+        row.update(row.pop("_costs"))
+        row.update(self.server.round_metrics())
+        row["wall_s"] = time.perf_counter() - t0
+        self.wall_time += row["wall_s"]
+        self.round = rnd
+        self.metrics.append(row)
+        return row
+
+    def _train(self, step: int, down: dict[int, Message], losses: list) -> dict[int, ClientReply]:
+        replies = self.transport.train(step, down)
+        for reply in replies.values():
+            if "train_loss" in reply.stats:
+                losses.append((reply.stats["train_loss"], reply.num_samples))
+        return replies
+
+    def _star_round(self, rnd: int, selected: list[int]) -> tuple[dict, list]:
+        with self.flops.measure() as configure_flops:
+            down = self.server.configure(rnd, selected)
+        _check_keys(down, selected, f"round {rnd}", "clients")
+        losses: list = []
+        replies = self._train(rnd, {cid: down[cid] for cid in selected}, losses)
+        with self.flops.measure() as aggregate_flops:
+            self.server.aggregate(rnd, {cid: r.message for cid, r in replies.items()})
+        sent_down = {cid: down[cid].nbytes for cid in selected}
+        sent_up = {cid: replies[cid].message.nbytes for cid in selected}
+        for cid in selected:
+            self.bytes_down[cid] += sent_down[cid]
+            self.bytes_up[cid] += sent_up[cid]
+        costs = {}
+        if self.system is not None:
+            counting = self.flops.enabled and self.transport.counts_flops
+            costs = self.system.round_costs(
+                selected, sent_down, sent_up,
+                {cid: r.flops or 0 for cid, r in replies.items()} if counting else None,
+                (configure_flops.flops or 0) + (aggregate_flops.flops or 0) if counting else None)
+        up, dn = sum(sent_up.values()), sum(sent_down.values())
+        row = {"round": rnd, "bytes_up": up, "bytes_down": dn, "clients": len(selected),
+               "bytes_up_client": up, "bytes_down_client": dn,
+               "bytes_up_edge": 0, "bytes_down_edge": 0, "_costs": costs}
+        return row, losses
+
+    def _hierarchical_round(self, rnd: int, selected: list[int]) -> tuple[dict, list]:
+        fed = self.federation
+        k2 = fed.edge_rounds
+        by_edge = {k: [c for c in selected if fed.parent[c] == k] for k in range(fed.edges)}
+        counting = self.flops.enabled and self.transport.counts_flops
+        with self.flops.measure() as cloud_configure:
+            down_e = self.server.configure(rnd, list(range(fed.edges)))
+        _check_keys(down_e, list(range(fed.edges)), f"round {rnd}", "edges")
+        edge_flops = dict.fromkeys(range(fed.edges), 0)
+        bh_down = {k: down_e[k].nbytes for k in range(fed.edges)}
+        for k, edge in enumerate(self.edges):
+            with self.flops.measure() as f:
+                edge.receive(rnd, down_e[k].delivered())
+            edge_flops[k] += f.flops or 0
+        steps: dict[int, list[EdgeStep]] = {k: [] for k in range(fed.edges)}
+        losses: list = []
+        client_down = client_up = 0
+        for s in range(1, k2 + 1):
+            down: dict[int, Message] = {}
+            step_flops = dict.fromkeys(range(fed.edges), 0)
+            for k, edge in enumerate(self.edges):
+                with self.flops.measure() as f:
+                    msgs = edge.configure(rnd, s, by_edge[k])
+                step_flops[k] += f.flops or 0
+                _check_keys(msgs, by_edge[k], f"round {rnd}, edge {k}, edge round {s}", "clients")
+                down.update(msgs)
+            replies = self._train((rnd - 1) * k2 + s, {c: down[c] for c in selected}, losses)
+            for k, edge in enumerate(self.edges):
+                with self.flops.measure() as f:
+                    edge.aggregate(rnd, s, {c: replies[c].message for c in by_edge[k]})
+                step_flops[k] += f.flops or 0
+                sent_down = {c: down[c].nbytes for c in by_edge[k]}
+                sent_up = {c: replies[c].message.nbytes for c in by_edge[k]}
+                for c in by_edge[k]:
+                    self.bytes_down[c] += sent_down[c]
+                    self.bytes_up[c] += sent_up[c]
+                client_down += sum(sent_down.values())
+                client_up += sum(sent_up.values())
+                steps[k].append(EdgeStep(
+                    by_edge[k], sent_down, sent_up,
+                    {c: replies[c].flops or 0 for c in by_edge[k]} if counting else None,
+                    step_flops[k] + (edge_flops.pop(k, 0) if s == 1 else 0) if counting else None))
+        up_e: dict[int, Message] = {}
+        bh_up = {}
+        for k, edge in enumerate(self.edges):
+            with self.flops.measure() as f:
+                report = edge.report(rnd)
+            if counting:
+                steps[k][-1].flops_edge = (steps[k][-1].flops_edge or 0) + (f.flops or 0)
+            bh_up[k] = report.nbytes
+            up_e[k] = report.delivered()
+        with self.flops.measure() as cloud_aggregate:
+            self.server.aggregate(rnd, up_e)
+        for k in range(fed.edges):
+            self.edge_bytes_down[k] += bh_down[k]
+            self.edge_bytes_up[k] += bh_up[k]
+        costs = {}
+        if self.system is not None:
+            costs = self.system.hierarchical_costs(
+                steps, bh_down, bh_up,
+                (cloud_configure.flops or 0) + (cloud_aggregate.flops or 0) if counting else None)
+        e_up, e_down = sum(bh_up.values()), sum(bh_down.values())
+        row = {"round": rnd, "bytes_up": client_up + e_up, "bytes_down": client_down + e_down,
+               "clients": len(selected), "bytes_up_client": client_up,
+               "bytes_down_client": client_down, "bytes_up_edge": e_up, "bytes_down_edge": e_down,
+               "_costs": costs}
+        return row, losses
+
+    def eval_message(self, cid: int) -> Message | None:
+        parent = self.federation.parent[cid]
+        if parent != CLOUD:
+            msg = self.edges[parent].eval_message(cid)
+            if msg is not None:
+                return msg
+        return self.server.eval_message(cid)
+
+    def evaluate(self, rnd: int) -> dict:
+        """Every client's personalized model on its own test split."""
+        n = self.federation.num_clients
+        figures = self.transport.evaluate(rnd, {cid: self.eval_message(cid) for cid in range(n)})
+        accs = [f.correct / f.count if f.count else math.nan for f in figures.values()]
+        losses = [f.loss / f.count if f.count else math.nan for f in figures.values()]
+        self.client_acc = accs
+        return accuracy_row(accs, losses, np.array([f.count for f in figures.values()]))
+
+    # -- the run's figures ----------------------------------------------------------------
+    def summary(self, **extra: Any) -> dict:
+        cfg, fed = self.cfg, self.federation
+        out = {
+            "algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
+            "clients": fed.num_clients, "rounds": self.round, "seed": cfg.seed,
+            "participation": cfg.train.participation,
+            **accuracy_summary(self.metrics, self.client_acc),
+            "bytes_up_total": int(self.bytes_up.sum() + self.edge_bytes_up.sum()),
+            "bytes_down_total": int(self.bytes_down.sum() + self.edge_bytes_down.sum()),
+            "bytes_up_per_client": self.bytes_up.tolist(),
+            "bytes_down_per_client": self.bytes_down.tolist(),
+            "bytes_up_client_total": int(self.bytes_up.sum()),
+            "bytes_down_client_total": int(self.bytes_down.sum()),
+            "bytes_up_edge_total": int(self.edge_bytes_up.sum()),
+            "bytes_down_edge_total": int(self.edge_bytes_down.sum()),
+            "bytes_up_per_edge": self.edge_bytes_up.tolist(),
+            "bytes_down_per_edge": self.edge_bytes_down.tolist(),
+            "edges": fed.edges, "edge_rounds": fed.edge_rounds,
+            "architectures": {a: fed.arch.count(a) for a in fed.architectures},
+            "wall_time_s": self.wall_time,
+        }
+        if self.system is not None:
+            out.update(cost_totals(self.metrics))
+        out["server_state_bytes"] = self.server_state_bytes
+        out.update(extra)
+        out.update({"model_params": self.parts.layers.numel, "layers": self.parts.layers.names,
+                    "edgepfl_version": __version__})
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The server's and edges' declared state and the run's counters."""
+        tensors, meta = self.server.save_state()
+        tensors = {f"server/{k}": v for k, v in tensors.items()}
+        parts_meta: dict[str, Any] = {"server": meta}
+        for k, edge in enumerate(self.edges):
+            t, m = edge.save_state()
+            tensors.update({f"edge{k}/{name}": v for name, v in t.items()})
+            parts_meta[f"edge{k}"] = m
+        counters = {"round": self.round, "metrics": self.metrics, "client_acc": self.client_acc,
+                    "bytes_up": self.bytes_up.tolist(), "bytes_down": self.bytes_down.tolist(),
+                    "edge_bytes_up": self.edge_bytes_up.tolist(),
+                    "edge_bytes_down": self.edge_bytes_down.tolist(),
+                    "wall_time_s": self.wall_time, "server_state_bytes": self.server_state_bytes,
+                    "state": parts_meta}
+        return tensors, counters
+
+    def load_parts(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        def under(prefix: str) -> dict[str, torch.Tensor]:
+            return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+        self.server.load_state(under("server/"), meta.get("server", {}))
+        for k, edge in enumerate(self.edges):
+            edge.load_state(under(f"edge{k}/"), meta.get(f"edge{k}", {}))
+
+
+def _check_keys(messages: Mapping[int, Message], expected: list[int], where: str, what: str) -> None:
+    if set(messages) != set(expected):
+        raise MessageError(f"{where}: the algorithm configured {what} {sorted(messages)} but the "
+                           f"round selected {expected}")
