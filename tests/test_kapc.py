@@ -1,6 +1,7 @@
 """Defining properties of KAPC and KAPC+BLS (edgepfl.algorithms.kapc)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from edgepfl.algorithms.kapc import (
 from edgepfl.config import TrainConfig
 from edgepfl.engine.simulation import Simulation
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.state import StateError
 from edgepfl.io import read_tensors
 from edgepfl.models import LayerSpec
 from tests.conftest import fast_config, resumed_and_straight, without_wall
@@ -584,12 +586,17 @@ def test_preconditioned_step_is_stable_when_clients_nearly_agree():
 
 def test_server_state_of_another_shape_is_refused_on_load():
     server = _server(num_clients=4)
-    state = {k: v.clone() for k, v in server.state_dict().items()}
+    tensors, meta = server.save_state()
+    state = {k: v.clone() for k, v in tensors.items()}
     name = next(k for k in state if k.startswith("W."))
     bad = dict(state, **{name: state[name][:3]})
-    with pytest.raises(ValueError, match=name):
-        server.load_state_dict(bad)
-    with pytest.raises(ValueError, match="relation cube"):
-        server.load_state_dict(dict(state, R=state["R"][:3]))
-    server.load_state_dict(state)  # its own state loads
+    with pytest.raises(StateError, match=re.escape(repr(name))):
+        server.load_state(bad, meta)
+    with pytest.raises(StateError, match="'R'"):
+        server.load_state(dict(state, R=state["R"][:3]), meta)
+    with pytest.raises(StateError, match="'W' has entries"):  # an upload missing
+        server.load_state({k: v for k, v in state.items() if k != name}, meta)
+    server.load_state(state, meta)  # its own state loads
     torch.testing.assert_close(server.R, state["R"])
+    for p in server.W:
+        assert torch.equal(server.W[p], state[f"W.{p}"])

@@ -30,6 +30,7 @@ _MODULES = [
     "fedproto",
     "pfedla",
     "clusterfl",
+    "hierfavg",
 ]
 
 ALGORITHMS: dict[str, Algorithm] = {}

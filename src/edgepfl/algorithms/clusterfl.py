@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -124,6 +125,9 @@ def spectral_clusters(sim: torch.Tensor, k: int) -> list[int]:
 
 # -- server ----------------------------------------------------------------------------------
 class ClusterFLServer(Server):
+    state: ClassVar[tuple[str, ...]] = ("w", "u", "z", "labels", "similarity", "clustered_ids",
+                                        "clustered_at", "_residual")
+
     def __init__(self, ctx: ServerContext, hp: ClusterFLHyperparameters):
         super().__init__(ctx, hp)
         n = ctx.num_clients
@@ -230,28 +234,6 @@ class ClusterFLServer(Server):
         clusters = len({lab for lab in self.labels if lab >= 0})
         # primal residual: RMS over uploading clients of ||w_i - z_c|| (how far from consensus)
         return {"clusters": float(clusters), "primal_residual": self._residual}
-
-    # -- checkpoint ------------------------------------------------------------------------------
-    def state_dict(self) -> State:
-        out: State = {}
-        out.update(self.w.state_dict("w/"))
-        out.update(self.u.state_dict("u/"))
-        out.update(self.z.state_dict("z/"))
-        out["labels"] = torch.tensor(self.labels, dtype=torch.long)
-        out["similarity"] = self.similarity.clone()
-        out["clustered_ids"] = torch.tensor(self.clustered_ids, dtype=torch.long)
-        out["scalars"] = torch.tensor([float(self.clustered_at), self._residual], dtype=torch.float64)
-        return out
-
-    def load_state_dict(self, state: State) -> None:
-        self.w.load_state_dict(state, "w/")
-        self.u.load_state_dict(state, "u/")
-        self.z.load_state_dict(state, "z/")
-        self.labels = state["labels"].tolist()
-        self.similarity = state["similarity"].clone()
-        self.clustered_ids = state["clustered_ids"].tolist()
-        sc = state["scalars"].tolist()
-        self.clustered_at, self._residual = int(sc[0]), sc[1]
 
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
         from edgepfl.io import write_json

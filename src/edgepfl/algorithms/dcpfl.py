@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -185,6 +186,13 @@ def rdp_ended(losses: list[float], s: int, t_obv: int) -> bool:
 
 # -- server --------------------------------------------------------------------------------
 class DCPFLServer(Server):
+    # everything a resumed run needs: the stores and matrices as tensors, the phase
+    # bookkeeping (scalars, groupings, losses, history, trials) as JSON values
+    state: ClassVar[tuple[str, ...]] = (
+        "uploads", "group", "trial0", "trial1", "disc_sum", "disc_count", "z", "pending", "low",
+        "gamma_global", "built", "gamma", "proposal_gamma", "mode", "phase_start", "retry_at",
+        "done", "labels", "proposal", "losses", "history", "trials")
+
     def __init__(self, ctx: ServerContext, hp: DCPFLHyperparameters):
         super().__init__(ctx, hp)
         n, nl = ctx.num_clients, len(ctx.layers)
@@ -432,51 +440,6 @@ class DCPFLServer(Server):
 
     def round_metrics(self) -> dict[str, float]:
         return {"groups": float(len(set(self.labels))), "gamma_tilde": self.gamma, **self._metrics}
-
-    # -- checkpoint -------------------------------------------------------------------------
-    def state_dict(self) -> State:
-        out: State = {}
-        out.update(self.uploads.state_dict("uploads/"))
-        out.update(self.group.state_dict("group/"))
-        out.update(self.trial0.state_dict("trial0/"))
-        out.update(self.trial1.state_dict("trial1/"))
-        f64 = torch.float64
-        out.update({
-            "disc_sum": self.disc_sum.clone(), "disc_count": self.disc_count.clone(),
-            "z": self.z.clone(), "pending": self.pending.clone(), "low": self.low.clone(),
-            "scalars": torch.tensor([self.gamma_global, float(self.built), self.gamma,
-                                     self.proposal_gamma, float(self.mode),
-                                     float(self.phase_start), float(self.retry_at),
-                                     float(self.done)], dtype=f64),
-            "labels": torch.tensor(self.labels, dtype=torch.long),
-            "proposal": torch.tensor(self.proposal, dtype=torch.long),
-            "losses": torch.tensor(self.losses, dtype=f64),
-            "history_round": torch.tensor([h[0] for h in self.history], dtype=torch.long),
-            "history_gamma": torch.tensor([h[1] for h in self.history], dtype=f64),
-            "history_labels": torch.tensor([h[2] for h in self.history], dtype=torch.long),
-            "trials": torch.tensor(self.trials, dtype=f64).reshape(-1, 5),
-        })
-        return out
-
-    def load_state_dict(self, state: State) -> None:
-        self.uploads.load_state_dict(state, "uploads/")
-        self.group.load_state_dict(state, "group/")
-        self.trial0.load_state_dict(state, "trial0/")
-        self.trial1.load_state_dict(state, "trial1/")
-        self.disc_sum = state["disc_sum"].clone()
-        self.disc_count = state["disc_count"].clone()
-        self.z = state["z"].clone()
-        self.pending = state["pending"].clone().bool()
-        self.low = state["low"].clone().bool()
-        sc = state["scalars"].tolist()
-        self.gamma_global, self.built, self.gamma, self.proposal_gamma = sc[0], bool(sc[1]), sc[2], sc[3]
-        self.mode, self.phase_start, self.retry_at, self.done = int(sc[4]), int(sc[5]), int(sc[6]), bool(sc[7])
-        self.labels = state["labels"].tolist()
-        self.proposal = state["proposal"].tolist()
-        self.losses = state["losses"].tolist()
-        self.history = list(zip(state["history_round"].tolist(), state["history_gamma"].tolist(),
-                                state["history_labels"].tolist(), strict=True))
-        self.trials = [tuple(t) for t in state["trials"].tolist()]
 
     # -- artifacts ---------------------------------------------------------------------------
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:

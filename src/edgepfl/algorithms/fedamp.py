@@ -15,6 +15,8 @@ trains exactly as local training (tested).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import Field
 
@@ -68,6 +70,8 @@ def attention_weights(dist: torch.Tensor, alpha_k: float, sigma: float) -> torch
 
 
 class FedAMPServer(Server):
+    state: ClassVar[tuple[str, ...]] = ("models",)  # every client's latest model, stacked
+
     def __init__(self, ctx: ServerContext, hp):
         super().__init__(ctx, hp)
         n = ctx.num_clients
@@ -112,12 +116,6 @@ class FedAMPServer(Server):
                 raise MessageError(f"client {cid}'s model lacks {sorted(missing)}")
             for name, stack in self.models.items():
                 stack[cid].copy_(reply.tensors[name])
-
-    def state_dict(self) -> State:
-        return {f"models.{k}": v for k, v in self.models.items()}
-
-    def load_state_dict(self, state: State) -> None:
-        self.models = {k[len("models."):]: v.clone() for k, v in state.items()}
 
     def round_metrics(self) -> dict[str, float]:
         return {"amp_self_weight_min": self._self_weight_min}

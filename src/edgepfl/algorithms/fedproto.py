@@ -15,7 +15,7 @@ win). The engine's shared evaluation then measures exactly the paper's inference
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -75,6 +75,8 @@ def prototype_loss(features: torch.Tensor, y: torch.Tensor, protos: torch.Tensor
 
 
 class FedProtoServer(Server):
+    state: ClassVar[tuple[str, ...]] = ("protos", "present")
+
     def __init__(self, ctx: ServerContext, hp):
         super().__init__(ctx, hp)
         weight, _ = classifier_names(ctx.layers, ctx.init_model)
@@ -117,13 +119,6 @@ class FedProtoServer(Server):
 
     def eval_message(self, cid: int) -> Message | None:
         return self._message()
-
-    def state_dict(self) -> State:
-        return {"protos": self.protos, "present": self.present}
-
-    def load_state_dict(self, state: State) -> None:
-        self.protos = state["protos"].clone()
-        self.present = state["present"].clone().bool()
 
 
 class FedProtoClient(PersonalModelClient):

@@ -33,7 +33,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -325,6 +325,7 @@ class KAPCServer(Server):
     """Relation cube, the clients' latest uploads, and the personalized regularizers."""
 
     bls = False
+    state: ClassVar[tuple[str, ...]] = ("R", "W")  # relation cube, the clients' latest uploads
 
     def __init__(self, ctx: ServerContext, hp: KAPCHyperparameters):
         super().__init__(ctx, hp)
@@ -417,26 +418,6 @@ class KAPCServer(Server):
     # -- state, metrics, files ------------------------------------------------------------
     def round_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
-
-    def state_dict(self) -> State:
-        state = {"R": self.R}
-        state.update({f"W.{p}": v for p, v in self.W.items()})
-        return state
-
-    def load_state_dict(self, state: State) -> None:
-        expected = {"R"} | {f"W.{p}" for p in self.W}
-        if set(state) != expected:
-            raise ValueError(f"KAPC server state has {sorted(state)}, expected {sorted(expected)}")
-        if state["R"].shape != self.R.shape:
-            raise ValueError(f"relation cube of shape {tuple(state['R'].shape)}, "
-                             f"expected {tuple(self.R.shape)}")
-        for p, current in self.W.items():
-            stored = state[f"W.{p}"]
-            if stored.shape != current.shape or stored.dtype != current.dtype:
-                raise ValueError(f"stored uploads W.{p} are {stored.dtype} {tuple(stored.shape)}, "
-                                 f"expected {current.dtype} {tuple(current.shape)}")
-        self.R = state["R"].clone().to(torch.float64)
-        self.W = {p: state[f"W.{p}"].clone() for p in self.W}
 
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
         from edgepfl.io import write_tensors

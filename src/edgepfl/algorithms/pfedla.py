@@ -15,7 +15,7 @@ the hypernetwork is moved along the chain rule *in the descent direction*:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +81,9 @@ class HyperNetwork(nn.Module):
 
 
 class PFedLAServer(Server):
+    # the clients' latest models and every client's hypernetwork parameters (stacked)
+    state: ClassVar[tuple[str, ...]] = ("models", "hn_params")
+
     def __init__(self, ctx: ServerContext, hp):
         super().__init__(ctx, hp)
         n = ctx.num_clients
@@ -183,16 +186,6 @@ class PFedLAServer(Server):
         own = torch.diagonal(alphas, dim1=0, dim2=2)                 # [L, N]
         return {"la_self_weight_mean": float(own.mean()),
                 "la_weight_dev_max": float((alphas - 1.0 / n).abs().max())}
-
-    def state_dict(self) -> State:
-        out = {f"models.{k}": v for k, v in self.models.items()}
-        out.update({f"hn.{k}": v for k, v in self.hn_params.items()})
-        return out
-
-    def load_state_dict(self, state: State) -> None:
-        self.models = {k[len("models."):]: v.clone() for k, v in state.items()
-                       if k.startswith("models.")}
-        self.hn_params = {k[len("hn."):]: v.clone() for k, v in state.items() if k.startswith("hn.")}
 
 
 class PFedLAClient(PersonalModelClient):

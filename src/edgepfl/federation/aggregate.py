@@ -1,12 +1,15 @@
 """Aggregation over clients whose models differ: which layers are "the same layer", and one
 helper for "average each layer over the clients that hold it".
 
-Two parameters of different architectures are the same when they have the same name (the
-module path, which ``LayerSpec`` also uses as the layer's identity) and the same shape and
-dtype. A parameter that only some architectures hold, or whose shape differs between them,
-is kept per architecture under the key ``"<arch>:<name>"``, unless an algorithm aggregates
-width slices (``average_width_slices``, HeteroFL's channel prefixes). With one
-architecture every key is the parameter's name and the helpers are plain FedAvg.
+A layer's identity is its module path (what ``LayerSpec`` calls the layer's name). Two
+architectures hold "the same layer" when the module path is the same and so is every
+entry of it (parameter and buffer names, shapes, dtypes); its entries then have one key,
+their own name, and are averaged over every client that holds them. A layer that differs
+between architectures (a classifier over 32 features instead of 64: even its bias, of the
+same shape, is not the same bias) is kept per architecture under ``"<arch>:<name>"``,
+unless an algorithm aggregates width slices (``average_width_slices``, HeteroFL's channel
+prefixes). With one architecture every key is the entry's name and the helpers are plain
+FedAvg.
 """
 
 from __future__ import annotations
@@ -40,18 +43,29 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]],
     return {name: out[name] for name in states[0]}
 
 
+def _layer_of(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _layers(model: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
+    out: dict[str, list] = {}
+    for name, t in model.items():
+        out.setdefault(_layer_of(name), []).append((name, tuple(t.shape), t.dtype))
+    return {layer: tuple(entries) for layer, entries in out.items()}
+
+
 class ParamIndex:
     """The identity of every parameter of every architecture of a federation."""
 
     def __init__(self, models: Mapping[str, Mapping[str, torch.Tensor]]):
         """``models``: architecture name -> its (initial) state, in the federation's order."""
         self.archs = list(models)
-        seen: dict[str, set] = {}
+        seen: dict[str, set] = {}  # layer -> the signatures architectures give it
         for model in models.values():
-            for name, t in model.items():
-                seen.setdefault(name, set()).add((tuple(t.shape), t.dtype))
+            for layer, sig in _layers(model).items():
+                seen.setdefault(layer, set()).add(sig)
         self._params = {a: list(m) for a, m in models.items()}
-        self._key = {(a, p): (p if len(seen[p]) == 1 else f"{a}:{p}")
+        self._key = {(a, p): (p if len(seen[_layer_of(p)]) == 1 else f"{a}:{p}")
                      for a, m in models.items() for p in m}
         self._shape = {self._key[a, p]: t.shape for a, m in models.items() for p, t in m.items()}
 

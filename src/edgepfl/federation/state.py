@@ -28,6 +28,7 @@ from edgepfl.errors import EdgepflError
 from edgepfl.federation.store import StackedStore
 
 State = dict[str, torch.Tensor]
+FLOAT = "__float__"
 
 
 class StateError(EdgepflError):
@@ -44,8 +45,8 @@ def _json(value: Any, where: str) -> Any:
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            # JSON has no inf/nan; keep them as strings that float() reads back
-            return repr(value)
+            # JSON has no inf/nan: a marker that cannot be mistaken for a string value
+            return {FLOAT: repr(value)}
         return value
     if isinstance(value, list | tuple):
         return [_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -56,8 +57,11 @@ def _json(value: Any, where: str) -> Any:
 
 
 def _from_json(value: Any, like: Any) -> Any:
-    if isinstance(like, float) and isinstance(value, str):
-        return float(value)
+    if isinstance(value, dict) and set(value) == {FLOAT}:
+        return float(value[FLOAT])
+    if isinstance(value, dict):
+        return {k: _from_json(v, like.get(k) if isinstance(like, dict) else None)
+                for k, v in value.items()}
     if isinstance(value, list):
         sample = like[0] if isinstance(like, list | tuple) and like else None
         items = [_from_json(v, sample) for v in value]
@@ -91,29 +95,43 @@ def _fit(key: str, saved: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
 
 def load_state(obj: Any, names: tuple[str, ...], tensors: Mapping[str, torch.Tensor],
                meta: Mapping[str, Any]) -> None:
-    """Restore what ``save_state`` saved into the declared attributes of ``obj``."""
+    """Restore what ``save_state`` saved into the declared attributes of ``obj``: all of
+    them or, when anything does not fit, none (``StateError`` names it)."""
+    staged: dict[str, Any] = {}
+    used: set[str] = set()
     for name in names:
         current = getattr(obj, name)
         if isinstance(current, torch.Tensor):
             if name not in tensors:
                 raise StateError(f"checkpoint lacks the state tensor {name!r}")
-            setattr(obj, name, _fit(name, tensors[name], current))
+            staged[name] = _fit(name, tensors[name], current)
+            used.add(name)
         elif isinstance(current, StackedStore):
+            store = StackedStore(current.num_clients)
             try:
-                current.load_state_dict(tensors, f"{name}/")
+                store.load_state_dict(tensors, f"{name}/")
             except (KeyError, ValueError) as exc:
                 raise StateError(f"checkpoint state {name!r} does not fit: {exc}") from None
+            staged[name] = store
+            used.update(k for k in tensors if k.startswith(f"{name}/"))
         elif _is_model(current):
             prefix = f"{name}."
             saved = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
             if set(saved) != set(current):
                 raise StateError(f"checkpoint state {name!r} has entries {sorted(saved)}; this "
                                  f"configuration's are {sorted(current)}")
-            setattr(obj, name, {k: _fit(f"{prefix}{k}", saved[k], current[k]) for k in current})
+            staged[name] = {k: _fit(f"{prefix}{k}", saved[k], current[k]) for k in current}
+            used.update(f"{prefix}{k}" for k in saved)
         else:
             if name not in meta:
                 raise StateError(f"checkpoint lacks the state value {name!r}")
-            setattr(obj, name, _from_json(meta[name], current))
+            staged[name] = _from_json(meta[name], current)
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise StateError(f"checkpoint holds state tensors {unknown[:5]} that "
+                         f"{type(obj).__name__} does not declare")
+    for name, value in staged.items():
+        setattr(obj, name, value)
 
 
 def state_meta_bytes(meta: Mapping[str, Any]) -> int:

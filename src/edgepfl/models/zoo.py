@@ -80,6 +80,17 @@ class CNNSmall(nn.Module):
         return self.fc2(self.features(x))
 
 
+class CNNSmallNarrow(CNNSmall):
+    """cnn_small with a narrower fully connected layer (32 units): the same convolutions
+    (the layers a two-architecture federation shares) and a cheaper head, for weak devices."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 8):
+        super().__init__(in_channels, num_classes, image_size)
+        side = image_size // 2
+        self.fc1 = nn.Linear(32 * side * side, 32)
+        self.fc2 = nn.Linear(32, num_classes)
+
+
 class MLP(nn.Module):
     """Two hidden layers of 200 units (the FedAvg paper's 2NN) for any input size."""
 
@@ -102,6 +113,7 @@ MODELS: dict[str, tuple[ModelFactory, str]] = {
     "cnn2": (CNN2, "KAPC's CNN for 28x28 images: 2 conv 5x5 (32, 64), FC 512, 128, classifier"),
     "cnn_cifar": (CNNCifar, "FedAvg's CIFAR CNN: 2 conv 5x5 (64, 64), FC 384, 192, classifier"),
     "cnn_small": (CNNSmall, "small CNN for 8x8 images (digits, synthetic): 2 conv 3x3, FC 64"),
+    "cnn_small_narrow": (CNNSmallNarrow, "cnn_small with FC 32 instead of 64 (shares its convolutions)"),
     "mlp": (MLP, "2 hidden layers of 200 units, any image size"),
     "cnn_small_bn": (CNNSmallBN, "cnn_small with BatchNorm after each conv (FedBN)"),
     "cnn2_bn": (CNN2BN, "cnn2 with BatchNorm after each conv (FedBN)"),
