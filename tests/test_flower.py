@@ -111,6 +111,10 @@ class ReversedGrid(LocalGrid):
     ("moon", {}, LocalGrid),                              # previous local model on the client
     ("pfedla", {"train.participation": 0.67}, LocalGrid),  # hypernetworks, sampled clients
     ("fedavg", {"partition.clients": 4}, ReversedGrid),    # replies out of order
+    ("hierfavg", {"partition.clients": 5, "topology.edges": 2,  # edges in the ServerApp
+                  "topology.edge_rounds": 2}, ReversedGrid),
+    ("fedavg", {"partition.clients": 5, "system.devices": "tiers",  # two architectures
+                "model.tiers.weak": "cnn_small_narrow"}, LocalGrid),
 ])
 def test_flower_run_equals_the_simulation(algorithm, extra, grid, monkeypatch):
     """The same algorithm objects, seeds and data: every round's figures are identical,
@@ -125,10 +129,12 @@ def test_flower_run_equals_the_simulation(algorithm, extra, grid, monkeypatch):
     assert set(result.metrics[-1]) == set(COLUMNS) | algorithm_figures
     for ours, theirs in zip(result.metrics, sim.metrics, strict=True):
         for key in ("acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "train_loss",
-                    "bytes_up", "bytes_down", "clients", *algorithm_figures):
+                    "bytes_up", "bytes_down", "clients", "bytes_up_client", "bytes_down_client",
+                    "bytes_up_edge", "bytes_down_edge", *algorithm_figures):
             assert ours[key] == theirs[key], (algorithm, ours["round"], key)
     for key in ("acc_clients_final", "acc_mean_best", "bytes_up_per_client",
-                "bytes_down_per_client", "server_state_bytes", "model_params", "layers"):
+                "bytes_down_per_client", "bytes_up_per_edge", "bytes_down_per_edge",
+                "server_state_bytes", "model_params", "layers", "architectures"):
         assert result.summary[key] == sim.summary[key], key
 
 
@@ -227,6 +233,24 @@ def test_missing_or_duplicate_nodes_are_refused():
 
     with pytest.raises(ConfigError, match="both say partition-id=0"):
         run_local(run_config(algorithm__name="fedavg"), app=twin)
+
+
+def test_a_node_that_names_another_edge_than_the_federation_is_refused():
+    rc = run_config(algorithm__name="hierfavg", topology__edges=2,
+                    topology__assignment="contiguous")  # clients 0, 1 on edge 0; client 2 on 1
+
+    def says_edge(edge_of):
+        def app(message, context):
+            context.node_config = {**context.node_config,
+                                   "edge-id": edge_of(context.node_config["partition-id"])}
+            return client_app(message, context)
+        return app
+
+    result = run_local(rc, app=says_edge(lambda cid: 0 if cid < 2 else 1))
+    assert result.summary["bytes_up_per_edge"][1] > 0
+    with pytest.raises(ConfigError, match="client 2.* says edge-id=0, but the federation puts "
+                                          "client 2 on edge 1"):
+        run_local(rc, app=says_edge(lambda cid: 0))
 
 
 def app_with(**handlers):
