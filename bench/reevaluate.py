@@ -43,7 +43,7 @@ def main() -> int:
                      f"the run has {summary['rounds']}")
     cfg = build_config(json.loads((args.run / "config.json").read_text()), args.sets)
     sim = Simulation(cfg, progress=False)
-    sim.load_state(tensors)  # not load_checkpoint: it refuses the changed evaluation setting
+    sim.load_state(tensors, meta)  # not load_checkpoint: it refuses the changed evaluation setting
     try:
         again = sim.evaluate()
     except KeyError as exc:

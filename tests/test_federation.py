@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from edgepfl.engine.simulation import CHECKPOINT, Simulation
+from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import ParamIndex, average_width_slices
 from edgepfl.federation.store import StackedStore
 from edgepfl.federation.topology import CLOUD, Federation, assign_edges
-from tests.conftest import fast_config, without_wall
+from tests.conftest import fast_config, resumed_and_straight, without_wall
 
 HIER = ["algorithm.name=hierfavg", "partition.clients=6"]
 TIERS = ["system.devices=tiers", "model.tiers.weak=cnn_small_narrow"]
@@ -96,16 +96,8 @@ def test_hierarchical_round_time_adds_backhaul_edge_and_client_phases(tmp_path):
 
 
 def test_a_hierarchical_run_resumes_exactly(tmp_path):
-    overrides = [*HIER, "topology.edges=2", "topology.edge_rounds=2"]
-    straight = Simulation(fast_config(*overrides), progress=False)
-    straight.run()
-    first = Simulation(fast_config(*overrides), tmp_path, progress=False)
-    first.step()
-    first.step()
-    first.save_checkpoint()
-    resumed = Simulation(fast_config(*overrides), tmp_path, progress=False)
-    resumed.load_checkpoint(tmp_path / CHECKPOINT)
-    resumed.step()
+    resumed, straight = resumed_and_straight(tmp_path, *HIER, "topology.edges=2",
+                                             "topology.edge_rounds=2")
     assert without_wall(resumed.metrics) == without_wall(straight.metrics)
     assert resumed.rounds.edge_bytes_up.tolist() == straight.rounds.edge_bytes_up.tolist()
 

@@ -2,11 +2,14 @@
 # A real Flower deployment on this machine: one SuperLink, one SuperNode per client (each
 # ClientApp in its own process), the app in this folder; then the same configuration in
 # edgepfl's simulation, and the two runs' figures side by side (they should be equal).
-#   examples/flower/deploy_local.sh        (from the repository root, with the venv active)
+#   examples/flower/deploy_local.sh                    (from the repository root, venv active)
+#   examples/flower/deploy_local.sh examples/flower/hierfavg   (client -> edge -> cloud)
+# Each SuperNode is started with its client's partition-id and, when the configuration has
+# edge servers, the edge-id the federation gives that client.
 # Uses a private FLWR_HOME under runs/flower-home and the ports 8000 (SuperLink) and
 # 9094.. (SuperNodes); everything it starts is stopped when it ends.
 set -euo pipefail
-app=$(cd "$(dirname "$0")" && pwd)
+app=$(cd "${1:-$(dirname "$0")}" && pwd)
 root=$(pwd)
 export FLWR_HOME="$root/runs/flower-home"
 mkdir -p "$FLWR_HOME"
@@ -18,7 +21,23 @@ default = "local"
 address = "127.0.0.1:8000"
 insecure = true
 TOML
-clients=$(python -c "import tomllib; print(tomllib.load(open('$app/pyproject.toml', 'rb'))['tool']['flwr']['app']['config']['partition.clients'])")
+# one line per client: "partition-id=K num-partitions=N[ edge-id=E]", from the federation
+mapfile -t node_configs < <(python - "$app/pyproject.toml" <<'PY'
+import sys, tomllib
+from edgepfl.engine.flower import config_from_run
+from edgepfl.federation.topology import Federation
+conf = tomllib.load(open(sys.argv[1], "rb"))["tool"]["flwr"]["app"]["config"]
+cfg = config_from_run({k: v for k, v in conf.items() if k not in ("out", "wait", "timeout")})
+fed = Federation.build(cfg, cfg.partition.clients)
+print(cfg.algorithm.name)
+for cid, parent in enumerate(fed.parent):
+    edge = f" edge-id={parent}" if fed.hierarchical else ""
+    print(f"partition-id={cid} num-partitions={fed.num_clients}{edge}")
+PY
+)
+algorithm=${node_configs[0]}
+node_configs=("${node_configs[@]:1}")
+clients=${#node_configs[@]}
 pids=()
 # each in its own process group, so that stopping it stops the processes it spawned too
 trap 'for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
@@ -28,10 +47,10 @@ pids+=($!)
 sleep 5
 for ((k = 0; k < clients; k++)); do
   setsid flower-supernode --insecure --superlink 127.0.0.1:8000 --port $((9094 + k)) \
-    --node-config "partition-id=$k num-partitions=$clients" > "$FLWR_HOME/node$k.log" 2>&1 &
+    --node-config "${node_configs[$k]}" > "$FLWR_HOME/node$k.log" 2>&1 &
   pids+=($!)
 done
-out="$root/runs/flower-kapc"
+out="$root/runs/flower-$algorithm"
 rm -rf "$out" "$out-simulation"
 flwr run "$app" local --stream --run-config "out=\"$out\""
 python - "$app/pyproject.toml" "$out" <<'PY'
@@ -42,8 +61,10 @@ conf = tomllib.load(open(sys.argv[1], "rb"))["tool"]["flwr"]["app"]["config"]
 sets = [f"{k}={v}" for k, v in conf.items() if k not in ("out", "wait")]
 sim = Simulation(build_config({}, sets + ["output.plots=false"]), progress=False).run()
 flower = list(csv.DictReader(open(f"{sys.argv[2]}/metrics.csv")))
-print("round  acc_mean flower / simulation   bytes_up flower / simulation")
+print("round  acc_mean flower / simulation   bytes_up flower / simulation"
+      "   bytes_up_edge flower / simulation")
 for f, s in zip(flower, sim.metrics, strict=True):
     print(f"{f['round']:>5}  {float(f['acc_mean']):.6f} / {s['acc_mean']:.6f}"
-          f"          {f['bytes_up']} / {s['bytes_up']}")
+          f"          {f['bytes_up']} / {s['bytes_up']}"
+          f"          {f['bytes_up_edge']} / {s['bytes_up_edge']}")
 PY

@@ -57,6 +57,13 @@ def _print_summary(summary: dict, out: Path | None) -> None:
         f"± {pct(summary['acc_std_final'])} across clients, worst client "
         f"{pct(summary['acc_min_final'])}; {summary['bytes_up_total'] / 1e6:.2f} MB up, "
         f"{summary['bytes_down_total'] / 1e6:.2f} MB down, {summary['wall_time_s']:.1f} s")
+    if summary.get("edges"):
+        click.echo(
+            f"  {summary['edges']} edges, {summary['edge_rounds']} edge rounds per cloud round: "
+            f"client <-> edge {summary['bytes_up_client_total'] / 1e6:.2f} MB up, "
+            f"{summary['bytes_down_client_total'] / 1e6:.2f} MB down; edge <-> cloud "
+            f"{summary['bytes_up_edge_total'] / 1e6:.2f} MB up, "
+            f"{summary['bytes_down_edge_total'] / 1e6:.2f} MB down")
     if out is not None:
         click.echo(f"run directory: {out}")
 
@@ -197,7 +204,12 @@ def list_() -> None:
             click.echo(f"  {k:<{width}}  {v}")
         click.echo()
 
-    section("algorithms", {k: a.summary for k, a in ALGORITHMS.items()})
+    def marks(a) -> str:
+        tags = (["edges"] if a.edge is not None else []) + (["tiers"] if a.heterogeneous else [])
+        return f"  [{', '.join(tags)}]" if tags else ""
+
+    section("algorithms ([edges]: needs topology.edges; [tiers]: takes model.tiers)",
+            {k: a.summary + marks(a) for k, a in ALGORITHMS.items()})
     section("datasets", DATASETS)
     section("models", {k: v[1] for k, v in MODELS.items()})
     section("partition schemes", SCHEMES)

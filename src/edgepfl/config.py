@@ -198,5 +198,6 @@ def describe_sections() -> list[tuple[str, str, str]]:
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             continue
         for key, sub in model.model_fields.items():
-            rows.append((f"{section}.{key}", repr(sub.default), sub.description or ""))
+            default = sub.get_default(call_default_factory=True)
+            rows.append((f"{section}.{key}", repr(default), sub.description or ""))
     return rows

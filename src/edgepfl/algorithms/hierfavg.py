@@ -20,10 +20,11 @@ weighted by those clients' samples.
 
 from __future__ import annotations
 
-from edgepfl.algorithms.base import Algorithm, Edge, EdgeContext, Server, ServerContext, State
+from edgepfl.algorithms.base import Algorithm, Edge, EdgeContext, State
 from edgepfl.algorithms.fedavg import (
     FedAvgClient,
     FedAvgHyperparameters,
+    FedAvgServer,
     average_models,
     num_samples,
 )
@@ -33,14 +34,8 @@ from edgepfl.federation.messages import Message, MessageError
 KEY_SAMPLES = "key_samples"
 
 
-class HierFAVGCloud(Server):
-    state = ("global_model",)
-
-    def __init__(self, ctx: ServerContext, hp):
-        super().__init__(ctx, hp)
-        self.index = ctx.param_index()
-        init = self.index.union(ctx.init_models()) if self.index else ctx.init_model
-        self.global_model: State = {k: v.clone() for k, v in init.items()}
+class HierFAVGCloud(FedAvgServer):
+    """FedAvg's server (global model, one per architecture's layers) whose peers are edges."""
 
     def configure(self, rnd: int, edges: list[int]) -> dict[int, Message]:
         msg = Message(self.global_model)
@@ -71,10 +66,6 @@ class HierFAVGCloud(Server):
                                         [per_key[k][j] for k in holders])[key]
         self.global_model = out
 
-    def eval_message(self, cid: int) -> Message | None:
-        if self.index is None:
-            return Message(self.global_model)
-        return Message(self.index.model(self.ctx.arch_of[cid], self.global_model))
 
 
 def _key_samples(edge: int, report: Message, count: int) -> list[int]:

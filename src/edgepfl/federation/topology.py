@@ -92,6 +92,7 @@ class Federation:
     parent: tuple[int, ...]
     edges: int = 0
     edge_rounds: int = 1
+    order: tuple[str, ...] = ()  # architectures in configuration order: model.name, then tiers
 
     @property
     def num_clients(self) -> int:
@@ -103,8 +104,10 @@ class Federation:
 
     @property
     def architectures(self) -> list[str]:
-        """Distinct architectures in first-appearance order of their tiers' configuration."""
-        return list(dict.fromkeys(self.arch))
+        """The architectures clients run, in configuration order: ``model.name`` first,
+        then ``model.tiers``' models in the order of ``system.tiers``."""
+        used = set(self.arch)
+        return [a for a in dict.fromkeys((*self.order, *self.arch)) if a in used]
 
     def members(self, edge: int) -> list[int]:
         return [cid for cid, p in enumerate(self.parent) if p == edge]
@@ -151,4 +154,5 @@ class Federation:
         if topo.edge_rounds > 1 and topo.edges == 0:
             raise ConfigError(f"topology.edge_rounds = {topo.edge_rounds} needs edge servers; "
                               "set topology.edges >= 1 (0 = star, where it must be 1)")
-        return cls(tier, flops, arch, tuple(parent), topo.edges, topo.edge_rounds)
+        order = (model.name, *(model.tiers[t.name] for t in system.tiers if t.name in model.tiers))
+        return cls(tier, flops, arch, tuple(parent), topo.edges, topo.edge_rounds, order)
