@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgepfl.errors import ConfigError
-from edgepfl.system.config import SystemConfig
+from edgepfl.system_config import SystemConfig
 
 
 class _Section(BaseModel):

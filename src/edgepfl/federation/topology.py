@@ -20,7 +20,7 @@ from edgepfl.federation.rng import derive_seed, select_clients
 
 if TYPE_CHECKING:
     from edgepfl.config import Config
-    from edgepfl.system.config import DeviceTier
+    from edgepfl.system_config import DeviceTier
 
 CLOUD = -1
 

@@ -7,10 +7,10 @@ seconds of a synchronous round. See docs/system.md for the model and its sources
 
 from edgepfl.federation.accounting import not_counted
 from edgepfl.system.channel import channel_gain, dbm_to_watt, shannon_rate, transfer_time
-from edgepfl.system.config import HMPL_TIERS, DeviceTier, SystemConfig, build_system_config
 from edgepfl.system.cost import COST_COLUMNS, TOTAL_KEYS, SystemModel, cost_totals
 from edgepfl.system.flops import FlopCount, FlopMeter, count_flops, work_signature
 from edgepfl.system.memory import peak_rss_bytes, state_bytes
+from edgepfl.system_config import HMPL_TIERS, DeviceTier, SystemConfig, build_system_config
 
 __all__ = ["COST_COLUMNS", "HMPL_TIERS", "TOTAL_KEYS", "DeviceTier", "FlopCount", "FlopMeter",
            "SystemConfig", "SystemModel", "build_system_config", "channel_gain", "cost_totals",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgepfl.federation.rng import derive_seed
-from edgepfl.system.config import SystemConfig
+from edgepfl.system_config import SystemConfig
 
 # Watts per unit of the interference draws (Table 4 gives none; "noise" is handled apart
 # because its scale depends on each link's bandwidth).

@@ -25,8 +25,8 @@ import numpy as np
 
 from edgepfl.errors import ConfigError
 from edgepfl.system.channel import Links, draw_links, transfer_time
-from edgepfl.system.config import SystemConfig
 from edgepfl.system.devices import Devices, draw_devices
+from edgepfl.system_config import SystemConfig
 
 # Per-round columns for metrics.csv, and the summary totals derived from them. A star's
 # rounds have no backhaul and no edge compute: those two are 0 there.

@@ -8,7 +8,7 @@ import numpy as np
 
 from edgepfl.federation.rng import derive_seed
 from edgepfl.federation.topology import assign_tiers
-from edgepfl.system.config import SystemConfig
+from edgepfl.system_config import SystemConfig
 
 
 @dataclass
