@@ -1,4 +1,4 @@
-"""The ``system`` section of a run (settings for the system model in ``edgepfl.system``):
+"""The ``system`` section of a run: wireless links, device speeds, round timing, backhaul.
 
 Defaults are the KAPC journal paper's Table 4 (Shannon links of a mobile edge network);
 ``fixed_rate`` is DC-PFL's 2 Mbps per client; ``custom`` is the Shannon model with your
