@@ -1,5 +1,6 @@
 """Defining properties of DC-PFL (edgepfl.algorithms.dcpfl)."""
 
+import json
 import math
 
 import numpy as np
@@ -21,6 +22,7 @@ from edgepfl.algorithms.dcpfl import (
     refines,
 )
 from edgepfl.engine.simulation import Simulation, resume_run, start_run
+from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message
 from tests.conftest import fast_config
 
@@ -146,7 +148,7 @@ def test_unaggregated_layer_costs_no_bytes():
     for _ in range(6):
         rnd = sim.round + 1
         low = srv.low[0].tolist()  # re-derived at every full synchronisation
-        due = layers_due(rnd, srv.phase_start, low, srv.hp.tau, srv.hp.alpha)
+        due = layers_due(rnd, srv.phase_start, low, srv.tau_rounds, srv.hp.alpha)
         row = sim.step()
         payload = sum(b for b, d in zip(layer_bytes, due, strict=True) if d) * 6
         assert payload <= row["bytes_up"] < payload + 6 * 120, (rnd, due)
@@ -226,3 +228,100 @@ def test_trial_reaches_clients_whose_group_missed_the_sync_round():
             for k in server.names:
                 torch.testing.assert_close(msg.tensors[f"m0.{k}"], init[k])
                 torch.testing.assert_close(msg.tensors[f"m1.{k}"], init[k])
+
+
+# -- partial participation: pairs never selected together in the warm-up -------------------
+def _measured_components(members: list[int], seen: np.ndarray) -> int:
+    """How many pieces ``members`` fall into when joined only by measured pairs."""
+    todo, pieces = set(members), 0
+    while todo:
+        pieces += 1
+        stack = [todo.pop()]
+        while stack:
+            c = stack.pop()
+            near = {d for d in todo if seen[c, d]}
+            todo -= near
+            stack += near
+    return pieces
+
+
+def test_pairs_never_selected_together_are_not_identical(tmp_path):
+    # the audit's case: 8 clients, a quarter of them per round, so 2 per round and 5 of the
+    # 28 pairs measured in the 5 warm-up rounds; the rest used to average 0/1 = "identical"
+    cfg = fast_config("algorithm.name=dcpfl", "partition.clients=8", "train.participation=0.25",
+                      "train.rounds=6", "dataset.fraction=0.4")
+    sim = Simulation(cfg, progress=False)
+    with pytest.warns(UserWarning, match="never selected together"):
+        rows = [sim.step() for _ in range(5)]
+    server = sim.server
+    assert server.built and rows[-1]["round"] == server.hp.t_start
+    count = server.disc_count.numpy()
+    seen = count > 0
+    off = ~np.eye(8, dtype=bool)
+    assert (~seen & off).any(), "every pair was measured: not the audit's case"
+    server.write_artifacts(tmp_path, plots=False)
+    used = np.array(json.loads((tmp_path / "dcpfl_groups.json").read_text())["discrepancy"])
+    # the matrix the group graph was built from: no pair reads as identical, no client's row
+    # is all zeros, and the measured pairs are the warm-up averages as before
+    assert (used[off] > 0).all(), used
+    assert all((used[i][off[i]] > 0).any() for i in range(8))
+    measured = seen & off
+    avg = (server.disc_sum / server.disc_count.clamp(min=1)).numpy()
+    assert np.array_equal(used[measured], avg[measured])
+    assert np.allclose(used, used.T)
+    # no group below gamma~ = 1 is held together by an unmeasured pair: each multi-client
+    # group is connected through pairs that were measured
+    z = server.z.numpy()
+    for g in np.linspace(0.8, 0.0, 5):
+        labels = cut(z, server.gamma_global, float(g), 8)
+        for members in server._members(labels).values():
+            assert _measured_components(members, seen) == 1, (g, labels, members)
+    assert rows[-1]["disc_pairs_imputed"] == float((~seen & off).sum() // 2)
+
+
+def test_complete_discrepancy_chains_measured_pairs():
+    from edgepfl.algorithms.dcpfl import complete_discrepancy
+
+    avg = np.array([[0.0, 0.1, 0.0, 0.0, 0.0],
+                    [0.1, 0.0, 0.2, 0.0, 0.0],
+                    [0.0, 0.2, 0.0, 0.0, 0.0],
+                    [0.0, 0.0, 0.0, 0.0, 0.05],
+                    [0.0, 0.0, 0.0, 0.05, 0.0]])
+    seen = avg > 0
+    d = complete_discrepancy(avg, seen)
+    assert d[0, 1] == 0.1 and d[1, 2] == 0.2 and d[3, 4] == 0.05  # measured: kept
+    assert d[0, 2] == pytest.approx(0.3)  # through the shared neighbour 1
+    assert d[0, 3] == d[2, 4] == pytest.approx(0.3)  # no chain: the largest entry
+    assert np.array_equal(d, d.T) and (np.diag(d) == 0).all()
+    full = np.abs(np.subtract.outer(np.arange(4.0), np.arange(4.0)))
+    assert complete_discrepancy(full, np.ones((4, 4), dtype=bool)) is full  # untouched
+    nothing = complete_discrepancy(np.zeros((3, 3)), np.zeros((3, 3), dtype=bool))
+    assert (nothing[~np.eye(3, dtype=bool)] == 1.0).all()
+
+
+# -- tau counts local epochs ------------------------------------------------------------------
+def test_tau_counts_local_epochs():
+    from edgepfl.algorithms.dcpfl import tau_rounds
+
+    assert tau_rounds(5, 1) == 5  # one epoch a round: tau rounds, as before
+    assert tau_rounds(5, 5) == 1  # the engine's 5 local epochs: every round, not every 25 epochs
+    assert tau_rounds(10, 5) == 2
+    # 2 local epochs a round, tau = 2 epochs: high layers every round, low ones every alpha
+    sim = Simulation(fast_config(*QUICK, "train.local_epochs=2", "algorithm.low_ratio=1.0",
+                                 "algorithm.s=50", "train.rounds=5"), progress=False)
+    srv, nl = sim.server, len(sim.layers)
+    assert srv.tau_rounds == 1
+    assert [sim.step()["mode"] for _ in range(2)] == [0, 0]  # warm-up; schedule starts at 2
+    # rounds 3, 4, 5 are 2, 4, 6 epochs in: high layers each round, every layer at 4 epochs
+    # (alpha * tau); Eq. 6 is re-derived at that full synchronisation
+    for full in (False, True, False):
+        low = int(srv.low[0].sum())
+        assert 0 < low < nl
+        row = sim.step()
+        assert row["mode"] == NORMAL
+        assert row["layers_up_mean"] == (nl if full else nl - low), row["round"]
+
+
+def test_tau_that_is_not_a_multiple_of_local_epochs_is_refused():
+    with pytest.raises(ConfigError, match=r"algorithm.tau = 5 .*train.local_epochs = 2.*4 or 6"):
+        Simulation(fast_config("algorithm.name=dcpfl", "train.local_epochs=2"), progress=False)

@@ -7,9 +7,12 @@ Phases of a run (all driven by the server; the client only follows the message's
 * warm-up, rounds 1..T_start: FedAvg with full uploads; every round the server adds the
   pairwise model discrepancy (Eq. 3) of the uploads to a running sum.
 * then the averaged discrepancy matrix defines an average-linkage dendrogram (the group
-  graph); gamma~ = 1 is one group. Each group aggregates its layers every tau rounds, or
-  every alpha*tau rounds when the layer's discrepancy (Eq. 5) is below 0.1 of the group's
-  mean (Eq. 6). A client uploads and downloads only the layers aggregated that round.
+  graph); gamma~ = 1 is one group. With partial participation a pair of clients that was
+  never selected together has no measured discrepancy; it is completed from measured
+  pairs (``complete_discrepancy``), never taken as 0 ("identical"). Each group aggregates
+  its layers every tau local epochs (tau / train.local_epochs rounds), or every alpha*tau
+  epochs when the layer's discrepancy (Eq. 5) is below 0.1 of the group's mean (Eq. 6). A
+  client uploads and downloads only the layers aggregated that round.
 * the server smooths the mean pre-training loss, estimates the radius of curvature
   (Eq. 4) and, once it has not decreased for t_obv rounds, proposes the grouping one step
   lambda_gamma lower. One sync round (full upload) gives fresh weights for both the old
@@ -21,6 +24,7 @@ Phases of a run (all driven by the server; the client only follows the message's
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import ClassVar
 
@@ -41,6 +45,7 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData, weighted_average
+from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.store import StackedStore
 
@@ -58,10 +63,12 @@ class DCPFLHyperparameters(Hyperparameters):
                                             "(paper Sec. V: 6)")
     lambda_gamma: float = Field(0.2, gt=0, le=1, description="step of the normalised threshold "
                                                               "gamma~ per split (paper Sec. V: 0.2)")
-    tau: int = Field(5, ge=1, description="aggregation interval of high-discrepancy layers "
-                                          "(paper Sec. V: 5)")
+    tau: int = Field(5, ge=1, description="aggregation interval of high-discrepancy layers in "
+                                          "local epochs (paper Sec. V: '5 epochs'); a multiple "
+                                          "of train.local_epochs, i.e. every "
+                                          "tau / local_epochs rounds")
     alpha: int = Field(3, ge=1, description="interval factor of low-discrepancy layers, aggregated "
-                                            "every alpha*tau rounds (paper Sec. V: 3)")
+                                            "every alpha*tau epochs (paper Sec. V: 3)")
     low_ratio: float = Field(0.1, ge=0, description="a layer is low-discrepancy below this fraction "
                                                     "of the group's mean discrepancy (Eq. 6: 0.1)")
     fixed_gamma: float | None = Field(None, ge=0, le=1, description=(
@@ -97,13 +104,65 @@ def low_layers(disc: list[float], ratio: float) -> list[bool]:
 
 
 def layers_due(rnd: int, phase_start: int, low: list[bool], tau: int, alpha: int) -> list[bool]:
-    """Which layers are aggregated in round ``rnd``: high ones every tau rounds, low ones every
-    alpha*tau rounds, counted from the round the group's schedule (re)started."""
+    """Which layers are aggregated in round ``rnd``: high ones every ``tau`` rounds, low ones
+    every alpha*tau rounds, counted from the round the group's schedule (re)started. ``tau``
+    here is in rounds (``tau_rounds``: the hyperparameter's epochs / train.local_epochs)."""
     k = rnd - phase_start
     return [k > 0 and k % (alpha * tau if lo else tau) == 0 for lo in low]
 
 
+def tau_rounds(tau_epochs: int, local_epochs: int) -> int:
+    """The paper's tau counts local epochs ("tau to be 5 epochs", Sec. V); a round trains
+    ``local_epochs`` of them and layers can only be aggregated at the end of a round, so the
+    interval in rounds is tau / local_epochs, which must be a whole number."""
+    if tau_epochs % local_epochs:
+        fits = sorted({max(1, tau_epochs // local_epochs) * local_epochs,
+                       (tau_epochs // local_epochs + 1) * local_epochs})
+        divisors = [d for d in range(1, tau_epochs + 1) if tau_epochs % d == 0]
+        raise ConfigError(
+            f"dcpfl: algorithm.tau = {tau_epochs} counts local epochs (paper Sec. V: 'tau to be 5 "
+            f"epochs') and is not a multiple of train.local_epochs = {local_epochs}, so layers "
+            f"could not be aggregated every {tau_epochs} epochs (only at round ends); valid: "
+            f"algorithm.tau a multiple of {local_epochs} (e.g. {' or '.join(map(str, fits))}), "
+            f"or train.local_epochs one of {divisors}")
+    return tau_epochs // local_epochs
+
+
 # -- Sec. III-B: hierarchical group graph ----------------------------------------------------
+def complete_discrepancy(avg: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """The discrepancy matrix the group graph is built from, given the averaged measured
+    discrepancies ``avg`` and ``seen`` [n, n], whether a pair was ever measured (both clients
+    uploaded in the same warm-up round).
+
+    Measured pairs keep their average. An unmeasured pair has no evidence of similarity, so
+    it must not read as 0 ("identical"): it gets the length of the shortest chain of measured
+    pairs joining the two clients, min over k of D_ik + D_kj and so on. Eq. 3 is an L1
+    distance between min-max scaled weights, so within a round D_ij <= D_ik + D_kj: the chain
+    is the tightest upper bound the measurements give (a shared neighbour being the shortest
+    chain). Pairs that no chain joins (e.g. a client never selected in the warm-up) get the
+    largest entry, so they merge last in the group graph; with no measured pair at all every
+    pair gets 1 (only ratios to gamma_global matter). With every pair measured (full
+    participation) ``avg`` is returned as it is.
+    """
+    avg = np.asarray(avg, dtype=np.float64)
+    n = avg.shape[0]
+    known = np.asarray(seen, dtype=bool)
+    known = known | known.T
+    np.fill_diagonal(known, True)
+    if known.all():
+        return avg
+    dist = np.where(known, avg, np.inf)
+    np.fill_diagonal(dist, 0.0)
+    for k in range(n):  # Floyd-Warshall over the measured pairs
+        dist = np.minimum(dist, dist[:, k:k + 1] + dist[k:k + 1, :])
+    out = np.where(known, avg, dist)
+    finite = out[np.isfinite(out)]
+    top = float(finite.max()) if finite.size else 0.0
+    out[~np.isfinite(out)] = top if top > 0 else 1.0
+    np.fill_diagonal(out, 0.0)
+    return out
+
+
 def group_graph(disc: np.ndarray) -> tuple[np.ndarray, float]:
     """Average-linkage dendrogram of the discrepancy matrix and gamma_global, the smallest
     threshold that puts every client in one group (the last merge height)."""
@@ -149,8 +208,9 @@ def radius_of_curvature(losses: list[float], s: int) -> list[float]:
     l_w(t) = mean of l(t') over the window t' = t-s+1..t (a window "of length s", its
     factor 1/s; the LaTeX lower limit max(1, t-s) would put s + 1 terms over s), l'(t) =
     l_w(t) - l_w(t-1), l''(t) = l'(t) - l'(t-1). An s-round window also cancels a loss
-    pattern that repeats every s rounds, such as the jump after each aggregation when
-    tau = s (the paper's 5 and 5), which an (s+1)-round window passes into l' and l''.
+    pattern that repeats every s rounds, such as the jump after each aggregation when the
+    aggregation period is s rounds (the paper's tau = 5 epochs at one epoch a round and
+    s = 5), which an (s+1)-round window passes into l' and l''.
     r(t) is only defined once all three windows it uses are full (t >= s + 2), so the ramp
     of a filling window is not mistaken for a bend; where l'' <= 0 the curve does not bend
     towards flattening and r is +inf.
@@ -196,6 +256,9 @@ class DCPFLServer(Server):
     def __init__(self, ctx: ServerContext, hp: DCPFLHyperparameters):
         super().__init__(ctx, hp)
         n, nl = ctx.num_clients, len(ctx.layers)
+        # tau is in local epochs (paper Sec. V); the schedule counts rounds. Derived from the
+        # configuration, which a resume checks, so it is not declared state.
+        self.tau_rounds = tau_rounds(hp.tau, ctx.train.local_epochs)
         self.names = list(ctx.init_model)
         self.params = ctx.layers.param_names
         self.uploads = StackedStore(n)      # each client's latest uploaded weights
@@ -277,6 +340,25 @@ class DCPFLServer(Server):
         if ratios:
             self._metrics["layer_disc_ratio_min"] = min(ratios)
 
+    def _discrepancy(self, rnd: int | None = None) -> np.ndarray:
+        """The matrix the group graph is built from: the warm-up average of each measured
+        pair, unmeasured pairs completed (``complete_discrepancy``). With ``rnd`` (the build
+        round) the number of completed pairs is logged and warned about."""
+        avg = (self.disc_sum / self.disc_count.clamp(min=1)).numpy()
+        seen = (self.disc_count > 0).numpy()
+        if rnd is not None:
+            n = self.ctx.num_clients
+            unseen = int((~(seen | seen.T))[np.triu_indices(n, k=1)].sum())
+            self._metrics["disc_pairs_imputed"] = float(unseen)
+            if unseen:
+                warnings.warn(
+                    f"dcpfl: {unseen} of {n * (n - 1) // 2} client pairs were never selected "
+                    f"together in the {rnd} warm-up rounds (train.participation < 1); their "
+                    "discrepancy is completed from the measured pairs (shortest chain, else the "
+                    "largest entry), not taken as 0; a longer warm-up (algorithm.t_start) "
+                    "measures more pairs", stacklevel=2)
+        return complete_discrepancy(avg, seen)
+
     def _flat(self, cids: list[int], replies: dict[int, Message]) -> torch.Tensor:
         return torch.stack([torch.cat([replies[c].tensors[n].flatten().to(torch.float64)
                                        for n in self.params]) for c in cids])
@@ -313,8 +395,8 @@ class DCPFLServer(Server):
                     up = []  # a one-client group's aggregate is its own model: nothing to send
                 else:
                     up = [i for i, d in enumerate(layers_due(rnd, self.phase_start,
-                                                             self.low[cid].tolist(), self.hp.tau,
-                                                             self.hp.alpha)) if d]
+                                                             self.low[cid].tolist(),
+                                                             self.tau_rounds, self.hp.alpha)) if d]
                 out[cid] = Message({k: v.clone() for k, v in down.items()},
                                    {"mode": MODE_NAMES[self.mode], "up": up})
             self.pending[cid] = False
@@ -364,8 +446,7 @@ class DCPFLServer(Server):
                 self.disc_sum[idx.unsqueeze(1), idx] += d
                 self.disc_count[idx.unsqueeze(1), idx] += 1
             if rnd >= hp.t_start:
-                avg = (self.disc_sum / self.disc_count.clamp(min=1)).numpy()
-                z, self.gamma_global = group_graph(avg)
+                z, self.gamma_global = group_graph(self._discrepancy(rnd))
                 self.z = torch.from_numpy(z).to(torch.float64)
                 self.built = True
                 fixed = hp.fixed_gamma is not None
@@ -390,7 +471,7 @@ class DCPFLServer(Server):
             self._aggregate_groups(self.proposal, replies, full, self.trial1)
             self.mode = TRIAL
             return
-        elif mode == NORMAL and (rnd - self.phase_start) % (hp.alpha * hp.tau) == 0:
+        elif mode == NORMAL and (rnd - self.phase_start) % (hp.alpha * self.tau_rounds) == 0:
             self._classify(self.labels)  # every layer was just synchronised: re-derive Eq. 6
         self._after(rnd)
 
@@ -445,10 +526,11 @@ class DCPFLServer(Server):
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
         from edgepfl.io import write_json
 
-        avg = (self.disc_sum / self.disc_count.clamp(min=1)).tolist()
         write_json(Path(out_dir) / "dcpfl_groups.json", {
             "gamma_global": self.gamma_global,
-            "discrepancy": avg,
+            # what the group graph was built from; pair_rounds = 0 marks a completed pair
+            "discrepancy": self._discrepancy().tolist(),
+            "pair_rounds": self.disc_count.to(torch.int64).tolist(),
             "linkage": self.z.tolist(),
             "groupings": [{"round": r, "gamma_tilde": g, "labels": lab} for r, g, lab in self.history],
             "trials": [{"round": int(t[0]), "gamma_tilde": t[1], "loss_old": t[2], "loss_new": t[3],
