@@ -115,6 +115,7 @@ class ReversedGrid(LocalGrid):
                   "topology.edge_rounds": 2}, ReversedGrid),
     ("fedavg", {"partition.clients": 5, "system.devices": "tiers",  # two architectures
                 "model.tiers.weak": "cnn_small_narrow"}, LocalGrid),
+    ("hierbayes", {"partition.clients": 4, "topology.edges": 2}, ReversedGrid),  # MC figures
 ])
 def test_flower_run_equals_the_simulation(algorithm, extra, grid, monkeypatch):
     """The same algorithm objects, seeds and data: every round's figures are identical,
@@ -125,7 +126,7 @@ def test_flower_run_equals_the_simulation(algorithm, extra, grid, monkeypatch):
     sim = Simulation(fast_config(*sets), progress=False).run()
     result = run_local(rc)
     assert len(result.metrics) == len(sim.metrics) == 2
-    algorithm_figures = set(sim.metrics[-1]) - set(METRIC_COLUMNS)
+    algorithm_figures = set(sim.metrics[-1]) - set(METRIC_COLUMNS)  # incl. acc_global_*
     assert set(result.metrics[-1]) == set(COLUMNS) | algorithm_figures
     for ours, theirs in zip(result.metrics, sim.metrics, strict=True):
         for key in ("acc_mean", "acc_weighted", "acc_std", "acc_min", "loss", "train_loss",

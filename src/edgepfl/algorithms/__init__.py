@@ -31,6 +31,7 @@ _MODULES = [
     "pfedla",
     "clusterfl",
     "hierfavg",
+    "hierbayes",
 ]
 
 ALGORITHMS: dict[str, Algorithm] = {}

@@ -219,6 +219,13 @@ class Client(ABC):
     @abstractmethod
     def personal_model(self, state: State, eval_msg: Message | None) -> State: ...
 
+    def predictive(self, state: State, eval_msg: Message | None) -> dict[str, list[State]]:
+        """The models the client predicts with, by name: ``""`` is its personalized
+        prediction (what every algorithm reports as ``acc_*``); another name (``"global"``)
+        adds ``acc_<name>_*`` figures. Several models make a Monte Carlo predictive: their
+        class probabilities are averaged."""
+        return {"": [self.personal_model(state, eval_msg)]}
+
 
 class PersonalModelClient(Client):
     """A client whose personalized model persists in its state between rounds."""

@@ -228,4 +228,26 @@ class Trainer:
             loss += float(F.cross_entropy(logits, yb, reduction="sum"))
         return correct, loss
 
+    @torch.inference_mode()
+    def evaluate_predictive(self, states: Sequence[Mapping[str, torch.Tensor]], x: torch.Tensor,
+                            y: torch.Tensor) -> tuple[int, float]:
+        """(correct, summed negative log-likelihood) of the Monte Carlo predictive
+        ``mean_s softmax(f(x; states[s]))``; one state is ``evaluate`` itself."""
+        if len(states) == 1:
+            return self.evaluate(states[0], x, y)
+        self._loaded = None
+        self.model.eval()
+        probs = torch.zeros(y.numel(), 0)
+        for state in states:
+            self.load(state)
+            chunks = [torch.softmax(self.model(self.layout(x[s:s + self.eval_batch_size])), 1)
+                      for s in range(0, y.numel(), self.eval_batch_size)]
+            p = torch.cat(chunks) if chunks else torch.zeros(0, 0)
+            probs = p if probs.numel() == 0 else probs + p
+        self._loaded = None
+        probs = probs / len(states)
+        correct = int((probs.argmax(1) == y).sum())
+        picked = probs.gather(1, y.view(-1, 1)).clamp_min(1e-12)
+        return correct, float(-picked.log().sum())
+
 

@@ -79,7 +79,7 @@ from edgepfl.engine.rounds import (
     Transport,
     metric_columns,
 )
-from edgepfl.engine.simulation import client_split, finish_run_dir
+from edgepfl.engine.simulation import client_split, evaluate_client, finish_run_dir
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import derive_seed, generator
@@ -269,13 +269,15 @@ def _evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     _, cid, node = _client(context)
     eval_msg = from_content(message.content, optional=True)
     _, (x, y) = node.split(cid)
-    correct, loss = 0, 0.0
+    figures: dict[str, int | float] = {"correct": 0, "count": int(y.numel()), "loss": 0.0}
     if y.numel():
         node.trainer(cid).forget()
-        model = node.client(cid).personal_model(_state(context, node, cid), eval_msg)
-        correct, loss = node.trainer(cid).evaluate(model, x, y)
-    record = MetricRecord({"correct": int(correct), "count": int(y.numel()), "loss": float(loss)})
-    return FlowerMessage(RecordDict({STATS: record}), reply_to=message)
+        f = evaluate_client(node.client(cid), node.trainer(cid), _state(context, node, cid),
+                            eval_msg, x, y)
+        figures.update(correct=int(f.correct), loss=float(f.loss))
+        for name, (correct, loss) in f.extra.items():
+            figures[f"correct.{name}"], figures[f"loss.{name}"] = int(correct), float(loss)
+    return FlowerMessage(RecordDict({STATS: MetricRecord(figures)}), reply_to=message)
 
 
 # -- the server side ----------------------------------------------------------------------
@@ -386,7 +388,9 @@ class FlowerTransport(Transport):
         out = {}
         for cid, reply in replies.items():
             f = _figures(reply, cid, "correct", "count", "loss")
-            out[cid] = Figures(int(f["correct"]), int(f["count"]), float(f["loss"]))
+            extra = {k[len("correct."):]: (int(v), float(f.get(f"loss.{k[len('correct.'):]}", math.nan)))
+                     for k, v in f.items() if k.startswith("correct.")}
+            out[cid] = Figures(int(f["correct"]), int(f["count"]), float(f["loss"]), extra)
         return out
 
 

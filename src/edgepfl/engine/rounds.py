@@ -53,11 +53,13 @@ class ClientReply:
 
 @dataclass
 class Figures:
-    """A client's evaluation: correct predictions, test samples, summed loss."""
+    """A client's evaluation: correct predictions, test samples, summed loss; ``extra``
+    the (correct, summed loss) of its other named predictions (``Client.predictive``)."""
 
     correct: int
     count: int
     loss: float
+    extra: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 class Transport(ABC):
@@ -277,12 +279,40 @@ class Rounds:
         """Every client's personalized model on its own test split."""
         n = self.federation.num_clients
         figures = self.transport.evaluate(rnd, {cid: self.eval_message(cid) for cid in range(n)})
+        counts = np.array([f.count for f in figures.values()])
         accs = [f.correct / f.count if f.count else math.nan for f in figures.values()]
         losses = [f.loss / f.count if f.count else math.nan for f in figures.values()]
         self.client_acc = accs
-        return accuracy_row(accs, losses, np.array([f.count for f in figures.values()]))
+        row = accuracy_row(accs, losses, counts)
+        names = list(dict.fromkeys(k for f in figures.values() for k in f.extra))
+        for name in names:
+            got = [f.extra.get(name, (0, math.nan)) for f in figures.values()]
+            extra = accuracy_row([c / f.count if f.count else math.nan
+                                  for (c, _), f in zip(got, figures.values(), strict=True)],
+                                 [v / f.count if f.count else math.nan
+                                  for (_, v), f in zip(got, figures.values(), strict=True)],
+                                 counts)
+            row.update({f"acc_{name}_{k[4:]}" if k.startswith("acc_") else f"{k}_{name}": v
+                        for k, v in extra.items()})
+        return row
 
     # -- the run's figures ----------------------------------------------------------------
+    def _named_summary(self) -> dict:
+        """Best and final figures of every extra named prediction (``acc_global_mean``...)."""
+        out = {}
+        names = [k[len("acc_"):-len("_mean")] for k in (self.metrics[-1] if self.metrics else {})
+                 if k.startswith("acc_") and k.endswith("_mean")]
+        for name in names:
+            rows = [r for r in self.metrics if not math.isnan(r.get(f"acc_{name}_mean", math.nan))]
+            if rows:
+                best = max(rows, key=lambda r: r[f"acc_{name}_mean"])
+                out.update({f"acc_{name}_mean_best": best[f"acc_{name}_mean"],
+                            f"{name}_best_round": best["round"],
+                            f"acc_{name}_mean_final": rows[-1][f"acc_{name}_mean"],
+                            f"acc_{name}_weighted_final": rows[-1][f"acc_{name}_weighted"],
+                            f"acc_{name}_std_final": rows[-1][f"acc_{name}_std"]})
+        return out
+
     def summary(self, **extra: Any) -> dict:
         cfg, fed = self.cfg, self.federation
         out = {
@@ -290,6 +320,7 @@ class Rounds:
             "clients": fed.num_clients, "rounds": self.round, "seed": cfg.seed,
             "participation": cfg.train.participation,
             **accuracy_summary(self.metrics, self.client_acc),
+            **self._named_summary(),
             "bytes_up_total": int(self.bytes_up.sum() + self.edge_bytes_up.sum()),
             "bytes_down_total": int(self.bytes_down.sum() + self.edge_bytes_down.sum()),
             "bytes_up_per_client": self.bytes_up.tolist(),

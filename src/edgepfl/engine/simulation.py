@@ -128,10 +128,18 @@ class InProcess(Transport):
                 out[cid] = Figures(0, 0, math.nan)
                 continue
             arch = self.arch[cid]
-            model = self.parts[arch].personal_model(self.store.row(cid), eval_msg)
-            correct, loss = self.trainers[arch].evaluate(model, x, y)
-            out[cid] = Figures(correct, int(y.numel()), loss)
+            out[cid] = evaluate_client(self.parts[arch], self.trainers[arch],
+                                       self.store.row(cid), eval_msg, x, y)
         return out
+
+
+def evaluate_client(client, trainer, state, eval_msg: Message | None, x: torch.Tensor,
+                    y: torch.Tensor) -> Figures:
+    """A client's named predictions (``Client.predictive``) on its test split."""
+    models = client.predictive(state, eval_msg)
+    correct, loss = trainer.evaluate_predictive(models.pop(""), x, y)
+    extra = {name: trainer.evaluate_predictive(states, x, y) for name, states in models.items()}
+    return Figures(correct, int(y.numel()), loss, extra)
 
 
 class Simulation:

@@ -1,0 +1,177 @@
+"""Hierarchical Bayesian cloud-edge-client pFL: the closed-form blocks are the minimisers of
+their objectives, the prior's limits, prediction, and the run's figures."""
+
+import math
+
+import pytest
+import torch
+
+from edgepfl.algorithms.hierbayes import (
+    MEAN,
+    PREC,
+    gamma_block,
+    gaussian_block,
+    proximal_pull,
+)
+from edgepfl.engine.simulation import Simulation
+from edgepfl.errors import ConfigError
+from edgepfl.federation.messages import Message
+from edgepfl.federation.rng import generator
+from tests.conftest import fast_config, resumed_and_straight, without_wall
+
+HB = ["algorithm.name=hierbayes", "topology.edges=2"]
+
+
+def _minimise(objective, params, steps=400):
+    opt = torch.optim.LBFGS(params, lr=0.5, max_iter=steps, tolerance_grad=1e-12,
+                            tolerance_change=1e-14, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = objective()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+
+
+def test_gaussian_block_minimises_the_expected_edge_objective():
+    """Eq. 25's Gaussian part: lam/2 sum_i E(x_i - z)^2 + E KL(N(m, v) || N(m0, 1/lam0))."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    lam = torch.tensor([2.0, 30.0, 0.5], dtype=torch.float64)
+    m0 = torch.randn(3, dtype=torch.float64)
+    lam0 = torch.tensor([1.0, 4.0, 100.0], dtype=torch.float64)
+    m = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    log_v = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+
+    def objective():
+        v = log_v.exp()
+        data = 0.5 * lam * (((x - m) ** 2).sum(0) + x.shape[0] * v)
+        kl = 0.5 * (lam0 * ((m - m0) ** 2 + v) - log_v)
+        return (data + kl).sum()
+
+    _minimise(objective, [m, log_v])
+    m_star, v_star = gaussian_block(x, x.shape[0], lam, m0, lam0)
+    assert torch.allclose(m.detach(), m_star, atol=1e-8)
+    assert torch.allclose(log_v.detach().exp(), v_star, rtol=1e-6)
+
+
+def test_gamma_block_minimises_the_expected_variance_objective():
+    """Eq. 25's variance part: -sum_i E log N(x_i; z, s2) + KL(IG(a, b) || IG(a_p, b_p))."""
+    sq = torch.tensor([0.3, 0.01, 2.0], dtype=torch.float64)  # mean of E(x_i - z)^2
+    count, a_p, b_p = 6.0, 1.5, 0.2
+    log_a = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    log_b = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+
+    def objective():
+        a, b = log_a.exp(), log_b.exp()
+        e_log_s2 = log_b - torch.digamma(a)  # E log sigma^2 under IG(a, b)
+        e_prec = a / b
+        nll = count * 0.5 * (e_log_s2 + e_prec * sq)
+        # KL(IG(a, b) || IG(a_p, b_p)) = KL of the precisions' Gamma(a, rate b) laws
+        kl = ((a - a_p) * torch.digamma(a) - torch.lgamma(a) + math.lgamma(a_p)
+              + a_p * (log_b - math.log(b_p)) + a * (b_p - b) / b)
+        return (nll + kl).sum()
+
+    _minimise(objective, [log_a, log_b])
+    a_star, b_star = gamma_block(sq, count, a_p, b_p)
+    assert torch.allclose(log_a.detach().exp(), torch.full((3,), a_star, dtype=torch.float64), rtol=1e-5)
+    assert torch.allclose(log_b.detach().exp(), b_star, rtol=1e-5)
+
+
+def test_the_implicit_prior_step_is_the_proximal_map():
+    w, g, anchor, c, lr = torch.tensor([1.0]), torch.tensor([0.5]), torch.tensor([-2.0]), torch.tensor([7.0]), 0.1
+    grads = [g.clone()]
+    proximal_pull(lr, [c], [anchor])([w], grads)
+    stepped = w - lr * grads[0]
+    # argmin_u  (u - (w - lr g))^2 / (2 lr) + c/2 (u - anchor)^2
+    assert torch.allclose(stepped, (w - lr * g + lr * c * anchor) / (1 + lr * c))
+
+
+def _client_update(prec_value: float):
+    sim = Simulation(fast_config(*HB, "algorithm.personalize=edge"), progress=False)
+    client, data = sim.client, sim.train_data[0]
+    edge_mean = {k: v.clone() for k, v in sim.parts.init_model.items()}
+    msg = Message({**{MEAN + k: v for k, v in edge_mean.items()},
+                   **{PREC + k: torch.full_like(v, prec_value) for k, v in edge_mean.items()}})
+    torch.manual_seed(1)
+    result = client.update(0, msg, {}, data, generator(0, "c"))
+    # the same SGD with no prior at all
+    t = sim.cfg.train
+    client.trainer.load(edge_mean)
+    torch.manual_seed(1)
+    client.trainer.fit(data, t.local_epochs, t.batch_size, t.lr, generator(0, "c"))
+    return result.reply.tensors, client.trainer.export(), edge_mean
+
+
+def test_a_very_wide_prior_leaves_local_training():
+    trained, plain, _ = _client_update(1e-12)
+    for k in plain:
+        assert torch.allclose(trained[k], plain[k], atol=1e-6), k
+
+
+def test_a_very_narrow_prior_collapses_the_client_to_the_edge_mean():
+    trained, plain, edge_mean = _client_update(1e12)
+    moved = max(float((plain[k] - edge_mean[k]).abs().max()) for k in plain)
+    assert moved > 1e-3  # without the prior the client does move
+    for k in edge_mean:
+        assert torch.allclose(trained[k], edge_mean[k], atol=1e-6), k
+
+
+def test_one_edge_is_a_flat_two_level_model():
+    """With one edge and a flat cloud prior the cloud's posterior mean is the edge's: the
+    third level adds nothing, and clients see the two-level prior p(theta | phi)."""
+    sim = Simulation(fast_config("algorithm.name=hierbayes", "topology.edges=1",
+                                 "algorithm.psi_prior_var=1e12"), progress=False)
+    sim.step()
+    edge, cloud = sim.edges[0], sim.server
+    assert torch.allclose(cloud.m0, edge.m, atol=1e-9)
+
+
+def test_one_draw_without_spread_is_the_deterministic_forward_pass():
+    sim = Simulation(fast_config(*HB, "algorithm.client_std=0", "algorithm.mc_samples=1"),
+                     progress=False)
+    sim.step()
+    state = sim.clients.row(0)
+    models = sim.client.predictive(state, sim.server.eval_message(0))
+    assert len(models[""]) == 1 and models[""][0] is not None
+    x, y = sim.test_data[0]
+    trainer = sim.trainer
+    assert trainer.evaluate_predictive(models[""], x, y) == trainer.evaluate(models[""][0], x, y)
+    # several identical draws average to the same predictive
+    correct, loss = trainer.evaluate_predictive([models[""][0]] * 3, x, y)
+    base_correct, base_loss = trainer.evaluate(models[""][0], x, y)
+    assert correct == base_correct and loss == pytest.approx(base_loss, rel=1e-5)
+
+
+def test_a_run_reports_global_and_personalized_accuracy_and_links():
+    result = Simulation(fast_config(*HB, "train.rounds=3"), progress=False).run()
+    for row in result.metrics:
+        for key in ("acc_mean", "acc_global_mean", "acc_global_weighted", "bytes_up_edge",
+                    "bytes_down_client", "t_backhaul", "edge_std", "client_std"):
+            assert key in row and not math.isnan(row[key]), key
+    s = result.summary
+    assert s["acc_global_mean_best"] >= s["acc_global_mean_final"]
+    assert s["bytes_down_edge_total"] > 0
+
+
+def test_personalization_from_the_cloud_costs_download_bytes_only_when_chosen():
+    cloud = Simulation(fast_config(*HB, "train.rounds=1"), progress=False).run()
+    edge = Simulation(fast_config(*HB, "train.rounds=1", "algorithm.personalize=edge"),
+                      progress=False).run()
+    # psi* and the marginal prior precision travel with the edge model: twice the download
+    assert cloud.metrics[0]["bytes_down_client"] == 2 * edge.metrics[0]["bytes_down_client"]
+    assert cloud.metrics[0]["bytes_up_client"] == edge.metrics[0]["bytes_up_client"]
+
+
+def test_hierbayes_resumes_exactly(tmp_path):
+    resumed, straight = resumed_and_straight(tmp_path, *HB)
+    assert without_wall(resumed.metrics) == without_wall(straight.metrics)
+
+
+def test_hierbayes_refuses_a_star_and_batchnorm():
+    with pytest.raises(ConfigError, match="needs edge servers"):
+        Simulation(fast_config("algorithm.name=hierbayes"), progress=False)
+    with pytest.raises(ConfigError, match="BatchNorm"):
+        Simulation(fast_config(*HB, "model.name=cnn_small_bn"), progress=False)
