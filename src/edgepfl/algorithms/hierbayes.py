@@ -328,7 +328,7 @@ class HierBayesClient(Client):
             # one global predictive for every client: the same draws everywhere
             out["global"] = self._draws(psi, var, 0.0, generator(self.ctx.seed, "mc-global", rnd))
             # and the posterior mean psi* alone, to show what the sampling spread costs
-            out["global_mean"] = [psi]
+            out["psi"] = [psi]
         return out
 
     def _draws(self, mean: State, var: State | None, std: float,

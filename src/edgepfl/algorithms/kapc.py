@@ -100,6 +100,19 @@ class KAPCBLSHyperparameters(KAPCHyperparameters):
     select_layers: bool = Field(True, description=(
         "client-side layer selection (Algorithm 4); false uploads every layer (an ablation: "
         "server-side selection only)"))
+    prefix_down: bool = Field(True, description=(
+        "send client i regularizer layers only up to the prefix it uploaded last time (Eq. 20: "
+        "past Omega_i the regularizer is the client's own last weights, which Sec. 5.2.3 "
+        "and the bound's tau^ = 0 (Eq. 25) assume); false sends every layer of Eq. 34, "
+        "stale server copies included (the earlier behaviour)"))
+    refresh_every: int = Field(3, ge=0, description=(
+        "staleness limit: a layer is uploaded at least every refresh_every selections of the "
+        "client (a layer left out of refresh_every - 1 uploads in a row is in the next one, "
+        "and so are the layers before it), so the server's copy that the regularizers "
+        "coach towards is never older than that, and the full upload refreshes the bound's "
+        "estimates B, tau (Algorithm 4, lines 3-9); 0 = no limit (the paper's literal "
+        "Algorithm 4, with which a low Omega can leave the deep layers at their initial "
+        "values on the server for good)"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -303,6 +316,24 @@ def search_omega(prev: int, num_layers: int, holds: Callable[[int], bool]) -> tu
     return omega, evals
 
 
+def refresh_stale(omega: int, age: torch.Tensor, refresh_every: int) -> int:
+    """Omega raised so that no layer's server copy becomes ``refresh_every`` selections old.
+
+    ``age[l]`` counts the client's selections since layer l + 1 was last uploaded. A layer
+    past Omega that would reach the limit with this upload is uploaded, and with it every
+    layer before it (uploads are prefixes). Without the limit a client whose Omega stays
+    low never refreshes the deep layers on the server, so the regularizers keep coaching
+    it (and every client that leans on it) towards stale, possibly initial, weights, while
+    the bound's reference B, tau is never refreshed either (Algorithm 4 refreshes it only
+    after a full upload). ``refresh_every = 0`` disables the limit.
+    """
+    if refresh_every <= 0:
+        return omega
+    stale = [l_idx + 1 for l_idx in range(omega, age.numel())
+             if int(age[l_idx]) + 1 >= refresh_every]
+    return max([omega, *stale])
+
+
 def layer_shapes(spec: LayerSpec, model: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
     """(d_l, n_l) per layer for (29): output dimension and columns of the layer's weight.
 
@@ -370,6 +401,10 @@ class KAPCServer(Server):
                 # Algorithm 3: a layer whose self-relation is >= mu would be nearly the
                 # client's own weights, so it is not worth the downlink
                 send = r[torch.arange(n), l_idx, torch.arange(n)] < self.hp.mu
+                if self.hp.prefix_down:
+                    # Eq. 20: past the prefix the client uploaded last time its regularizer
+                    # is its own last weights, not the server's stale copy of them
+                    send &= self.age[idx, l_idx] == 0
             if not bool(send.any()):
                 continue
             weights = r[:, l_idx, :]
@@ -400,8 +435,17 @@ class KAPCServer(Server):
                                        f"expected {tuple(target.shape)}")
                 target.copy_(value)  # layers not uploaded keep their stale value (Eq. 33)
             counts.append(count)
+            if self.bls:
+                age = self.age[cid]
+                age[count:] += 1
+                age[:count] = 0
         if counts:
             self._metrics["layers_up_mean"] = float(sum(counts)) / len(counts)
+            if self.bls:
+                # how many uploads in a row the stalest server copy of a replying client's
+                # layer has been left out of (bounded by refresh_every - 1)
+                stale = self.age[torch.tensor(sorted(replies), dtype=torch.long)]
+                self._metrics["layers_stale_max"] = float(stale.max())
 
     def _uploaded_layers(self, cid: int, reply: Message) -> int:
         """The reply's prefix length Omega; anything but a whole-layer prefix is an error."""
@@ -453,6 +497,13 @@ def plot_relation_matrix(matrix: torch.Tensor, layer_names: list[str], path: Pat
 
 class KAPCBLSServer(KAPCServer):
     bls = True
+    # + per client and layer, the client's uploads since that layer was last in one (0: the
+    # server's copy is the client's latest weights of it, or the exact initial model)
+    state: ClassVar[tuple[str, ...]] = ("R", "W", "age")
+
+    def __init__(self, ctx: ServerContext, hp: KAPCBLSHyperparameters):
+        super().__init__(ctx, hp)
+        self.age = torch.zeros(ctx.num_clients, len(self.spec), dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------
@@ -503,6 +554,9 @@ class KAPCClient(PersonalModelClient):
                 "bls.omega": torch.tensor(L, dtype=torch.int64),     # Omega of the last upload
                 "bls.B": torch.zeros(L, dtype=torch.float64),        # B_i^l of Eq. 30 (max kept)
                 "bls.tau": torch.zeros(L, dtype=torch.float64),      # tau_i^l of Eq. 31 (max kept)
+                # selections since layer l was last uploaded: the age of the server's copy
+                # (0 at the start: the server's copy is the initial model, exactly)
+                "bls.age": torch.zeros(L, dtype=torch.int64),
             })
         return state
 
@@ -540,16 +594,16 @@ class KAPCClient(PersonalModelClient):
         new_state: State = model_to_state(trained)
         count = len(self.spec)
         if self.bls:
-            count, bls_state, evals = self._select_layers(state, trained, targets, data)
+            count, bls_state, evals = self._select_layers(state, trained, targets)
             new_state.update(bls_state)
             stats["omega_evals"] = float(evals)
         stats["layers_up"] = float(count)
         reply = Message({p: trained[p] for p in self.spec.prefix(count)})
         return UpdateResult(reply, new_state, stats)
 
-    def _select_layers(self, state: State, trained: State, targets: list[torch.Tensor],
-                       data: ClientData) -> tuple[int, State, int]:
-        """Algorithm 4: Omega_i and the updated norm estimates."""
+    def _select_layers(self, state: State, trained: State,
+                       targets: list[torch.Tensor]) -> tuple[int, State, int]:
+        """Algorithm 4: Omega_i (raised by the staleness limit) and the updated estimates."""
         L = len(self.spec)
         target = dict(zip(self.names, targets, strict=True))
         B_cur = torch.zeros(L, dtype=torch.float64)
@@ -569,15 +623,22 @@ class KAPCClient(PersonalModelClient):
             B, tau = torch.maximum(B, B_cur), torch.maximum(tau, tau_cur)
             omega = max(1, L - 1)
         else:
-            classes = int(data.y.index_select(0, data.idx).unique().numel())
+            # c_i of Theorem 3 is the output size of the network (the model's classes), not
+            # the classes present in D_i: at Omega = L, d_Omega is that output size and
+            # Theorem 4 must reduce to Theorem 3, i.e. (29) must hold with equality when
+            # nothing changed (B^ = B, tau^ = tau)
             holds = functools.partial(
                 omega_criterion, B=B.tolist(), tau=tau.tolist(), B_hat=B_cur.tolist(),
                 tau_hat=tau_cur.tolist(), d_out=self.d_out, n_cols=self.n_cols,
-                num_classes=classes)
+                num_classes=self.ctx.num_classes)
             omega, evals = search_omega(prev, L, holds)
+        age = state["bls.age"]
+        omega = refresh_stale(omega, age, self.hp.refresh_every)
+        layers = torch.arange(1, L + 1)
         bls_state = {"bls.q": torch.tensor(q + 1, dtype=torch.int64),
                      "bls.omega": torch.tensor(omega, dtype=torch.int64),
-                     "bls.B": B, "bls.tau": tau}
+                     "bls.B": B, "bls.tau": tau,
+                     "bls.age": torch.where(layers <= omega, torch.zeros_like(age), age + 1)}
         return omega, bls_state, evals
 
 
