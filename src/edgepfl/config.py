@@ -70,6 +70,13 @@ class TrainConfig(_Section):
 
 class EvalConfig(_Section):
     every: int = Field(1, ge=1, description="evaluate every this many rounds (and the last)")
+    statistic: Literal["best_round", "client_best"] = Field(
+        "best_round", description="summary's protocol figure: best_round = the best round of "
+        "the mean over clients (ours); client_best = each client's own best round, averaged "
+        "(KAPC Sec. 7.1 for Local and FedAvg)")
+    clients: Literal["all", "selected"] = Field(
+        "all", description="summary's protocol figure over all clients (ours) or, per round, "
+        "the clients selected that round (KAPC's client-selection scenario)")
     batch_size: int = Field(1024, ge=1, description="evaluation batch size (no effect on results)")
 
 

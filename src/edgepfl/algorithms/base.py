@@ -166,6 +166,11 @@ class Server(Stateful, ABC):
         """Algorithm-specific per-round figures for metrics.csv (e.g. layers uploaded)."""
         return {}
 
+    def summary_figures(self, metrics: list[dict]) -> dict[str, Any]:
+        """Algorithm-specific figures for summary.json, from the run's metric rows (e.g.
+        DC-PFL's mean over its last aggregation period)."""
+        return {}
+
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
         """Algorithm-specific files for the run directory (e.g. a relation-matrix heatmap),
         written when the run ends; use ``edgepfl.io`` so writes are atomic."""

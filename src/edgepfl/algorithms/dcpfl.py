@@ -519,6 +519,16 @@ class DCPFLServer(Server):
         return Message(self.group.row(cid, self._layer_names(self.pending[cid],
                                                               bool(self.pending[cid].all()))))
 
+    def summary_figures(self, metrics: list[dict]) -> dict:
+        """The mean accuracy over the last aggregation period (tau local epochs): between
+        aggregations clients predict with their local models, in aggregation rounds with the
+        group's, so the final round alone depends on where in the rhythm a run stops."""
+        rows = [r for r in metrics if not math.isnan(r["acc_mean"])][-max(1, self.tau_rounds):]
+        if not rows:
+            return {}
+        return {"acc_mean_last_period": float(np.mean([r["acc_mean"] for r in rows])),
+                "last_period_rounds": [rows[0]["round"], rows[-1]["round"]]}
+
     def round_metrics(self) -> dict[str, float]:
         return {"groups": float(len(set(self.labels))), "gamma_tilde": self.gamma, **self._metrics}
 

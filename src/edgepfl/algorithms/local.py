@@ -7,6 +7,7 @@ properties such as "KAPC with lambda = 0 trains exactly as local".
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 
 from edgepfl.algorithms.base import (
     Algorithm,
@@ -19,16 +20,37 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.training import ClientData
-from edgepfl.federation.messages import Message
+from edgepfl.federation.messages import Message, MessageError
+
+EPOCHS = "epochs"
 
 
 class LocalHyperparameters(Hyperparameters):
-    pass
+    total_epochs: int | None = Field(
+        None, ge=1, description="a client stops training after this many local epochs in "
+        "total (KAPC Sec. 7.1: Local trains 5 epochs on MNIST/FMNIST); None: every round it "
+        "is selected, train.local_epochs each time")
 
 
 class LocalServer(Server):
+    # epochs each client has been told to train so far (only with a total_epochs budget)
+    state = ("epochs",)
+
+    def __init__(self, ctx, hp):
+        super().__init__(ctx, hp)
+        self.epochs = [0] * ctx.num_clients
+
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
-        return {cid: Message() for cid in selected}
+        if self.hp.total_epochs is None:
+            return {cid: Message() for cid in selected}
+        out = {}
+        for cid in selected:
+            # the coordinator says how many epochs are left, so that a spent budget is
+            # visible in the message (and the FLOP count of an idle round is zero)
+            e = max(0, min(self.ctx.train.local_epochs, self.hp.total_epochs - self.epochs[cid]))
+            self.epochs[cid] += e
+            out[cid] = Message(meta={EPOCHS: e})
+        return out
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         pass
@@ -37,16 +59,24 @@ class LocalServer(Server):
 class LocalClient(PersonalModelClient):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
+        epochs = self.ctx.train.local_epochs
+        if EPOCHS in msg.meta:
+            epochs = msg.meta[EPOCHS]
+            if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+                raise MessageError(f"local: {EPOCHS} = {epochs!r}; expected an integer >= 0")
+            if epochs == 0:  # the budget is spent: the model stays as it is
+                return UpdateResult(Message(), {}, {})
         self.trainer.load(self.personal_model(state, None))
-        stats = fit(self, data, gen)
+        stats = fit(self, data, gen, epochs=epochs)
         return UpdateResult(Message(), model_to_state(self.trainer.export()), stats)
 
 
-def fit(client: Client, data: ClientData, gen: torch.Generator, **hooks) -> dict[str, float]:
+def fit(client: Client, data: ClientData, gen: torch.Generator, epochs: int | None = None,
+        **hooks) -> dict[str, float]:
     """The run's SGD settings applied to the trainer's loaded weights."""
     t = client.ctx.train
-    return client.trainer.fit(data, t.local_epochs, t.batch_size, t.lr, gen,
-                              momentum=t.momentum, weight_decay=t.weight_decay, **hooks)
+    return client.trainer.fit(data, t.local_epochs if epochs is None else epochs, t.batch_size,
+                              t.lr, gen, momentum=t.momentum, weight_decay=t.weight_decay, **hooks)
 
 
 ALGORITHM = Algorithm(

@@ -40,7 +40,7 @@ METRIC_COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "lo
                   "train_loss", "bytes_up", "bytes_down", "clients", "wall_s", *COST_COLUMNS,
                   *LINK_COLUMNS]
 NO_EVAL = {"acc_mean": math.nan, "acc_weighted": math.nan, "acc_std": math.nan,
-           "acc_min": math.nan, "loss": math.nan}
+           "acc_min": math.nan, "loss": math.nan, "acc_mean_selected": math.nan}
 
 
 @dataclass
@@ -136,6 +136,11 @@ class Rounds:
         self.edge_bytes_down = np.zeros(fed.edges, dtype=np.int64)
         self.wall_time = 0.0
         self.server_state_bytes = self._state_bytes()
+        # each client's best accuracy so far, over every evaluated round and over the
+        # evaluated rounds it was selected in (the papers' protocols, eval.statistic)
+        self.client_best = [math.nan] * n
+        self.client_best_selected = [math.nan] * n
+        self._selected: list[int] = []
 
     def _state_bytes(self) -> int:
         return state_bytes(self.server.state_dict()) + sum(
@@ -147,6 +152,7 @@ class Rounds:
         rnd = self.round + 1
         t0 = time.perf_counter()
         selected = self.federation.select(cfg.seed, rnd, cfg.train.participation)
+        self._selected = selected
         if self.federation.hierarchical:
             row, losses = self._hierarchical_round(rnd, selected)
         else:
@@ -284,6 +290,13 @@ class Rounds:
         losses = [f.loss / f.count if f.count else math.nan for f in figures.values()]
         self.client_acc = accs
         row = accuracy_row(accs, losses, counts)
+        chosen = [accs[c] for c in self._selected if not math.isnan(accs[c])]
+        row["acc_mean_selected"] = float(np.mean(chosen)) if chosen else math.nan
+        for cid, acc in enumerate(accs):
+            if not math.isnan(acc):
+                self.client_best[cid] = _max(self.client_best[cid], acc)
+                if cid in self._selected:
+                    self.client_best_selected[cid] = _max(self.client_best_selected[cid], acc)
         names = list(dict.fromkeys(k for f in figures.values() for k in f.extra))
         for name in names:
             got = [f.extra.get(name, (0, math.nan)) for f in figures.values()]
@@ -313,6 +326,29 @@ class Rounds:
                             f"acc_{name}_std_final": rows[-1][f"acc_{name}_std"]})
         return out
 
+    def protocol_summary(self) -> dict:
+        """The papers' protocols beside ours: each client's own best round averaged, and the
+        mean over each round's selected clients; ``protocol`` is the figure that
+        ``eval.statistic`` and ``eval.clients`` name (ours: best round, all clients)."""
+        def mean(values: list[float]) -> float | None:
+            ok = [v for v in values if not math.isnan(v)]
+            return float(np.mean(ok)) if ok else None
+
+        rows = [r for r in self.metrics if not math.isnan(r.get("acc_mean_selected", math.nan))]
+        figures = {
+            ("best_round", "all"): max((r["acc_mean"] for r in self.metrics
+                                        if not math.isnan(r["acc_mean"])), default=None),
+            ("best_round", "selected"): max((r["acc_mean_selected"] for r in rows), default=None),
+            ("client_best", "all"): mean(self.client_best),
+            ("client_best", "selected"): mean(self.client_best_selected),
+        }
+        e = self.cfg.eval
+        return {"acc_client_best_mean": figures["client_best", "all"],
+                "acc_mean_selected_best": figures["best_round", "selected"],
+                "acc_client_best_selected_mean": figures["client_best", "selected"],
+                "protocol": {"statistic": e.statistic, "clients": e.clients,
+                             "acc": figures[e.statistic, e.clients]}}
+
     def summary(self, **extra: Any) -> dict:
         cfg, fed = self.cfg, self.federation
         out = {
@@ -321,6 +357,8 @@ class Rounds:
             "participation": cfg.train.participation,
             **accuracy_summary(self.metrics, self.client_acc),
             **self._named_summary(),
+            **self.protocol_summary(),
+            **self.server.summary_figures(self.metrics),
             "bytes_up_total": int(self.bytes_up.sum() + self.edge_bytes_up.sum()),
             "bytes_down_total": int(self.bytes_down.sum() + self.edge_bytes_down.sum()),
             "bytes_up_per_client": self.bytes_up.tolist(),
@@ -358,6 +396,9 @@ class Rounds:
                     "edge_bytes_up": self.edge_bytes_up.tolist(),
                     "edge_bytes_down": self.edge_bytes_down.tolist(),
                     "wall_time_s": self.wall_time, "server_state_bytes": self.server_state_bytes,
+                    "client_best": [None if math.isnan(v) else v for v in self.client_best],
+                    "client_best_selected": [None if math.isnan(v) else v
+                                             for v in self.client_best_selected],
                     "state": parts_meta}
         return tensors, counters
 
@@ -368,6 +409,10 @@ class Rounds:
         self.server.load_state(under("server/"), meta.get("server", {}))
         for k, edge in enumerate(self.edges):
             edge.load_state(under(f"edge{k}/"), meta.get(f"edge{k}", {}))
+
+
+def _max(a: float, b: float) -> float:
+    return b if math.isnan(a) else max(a, b)
 
 
 def _check_keys(messages: Mapping[int, Message], expected: list[int], where: str, what: str) -> None:

@@ -270,6 +270,10 @@ class Simulation:
             edge_up = np.array(meta.get("edge_bytes_up", []), dtype=np.int64).reshape(-1)
             edge_down = np.array(meta.get("edge_bytes_down", []), dtype=np.int64).reshape(-1)
             wall_time = float(meta["wall_time_s"])
+            best = [math.nan if v is None else float(v)
+                    for v in meta.get("client_best", [None] * self.num_clients)]
+            best_sel = [math.nan if v is None else float(v)
+                        for v in meta.get("client_best_selected", [None] * self.num_clients)]
             server_bytes = int(meta.get("server_state_bytes", r.server_state_bytes))
             shape, edges = (self.num_clients,), (self.federation.edges,)
             if not isinstance(config, dict) or len(metrics) != rnd or \
@@ -290,6 +294,7 @@ class Simulation:
         r.round, r.metrics, r.client_acc = rnd, metrics, client_acc
         r.bytes_up, r.bytes_down, r.wall_time = bytes_up, bytes_down, wall_time
         r.edge_bytes_up, r.edge_bytes_down = edge_up, edge_down
+        r.client_best, r.client_best_selected = best, best_sel
         r.server_state_bytes = server_bytes
 
 
