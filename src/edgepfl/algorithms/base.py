@@ -224,11 +224,13 @@ class Client(ABC):
     @abstractmethod
     def personal_model(self, state: State, eval_msg: Message | None) -> State: ...
 
-    def predictive(self, state: State, eval_msg: Message | None) -> dict[str, list[State]]:
+    def predictive(self, cid: int, state: State, eval_msg: Message | None,
+                   data: ClientData) -> dict[str, list[State]]:
         """The models the client predicts with, by name: ``""`` is its personalized
         prediction (what every algorithm reports as ``acc_*``); another name (``"global"``)
         adds ``acc_<name>_*`` figures. Several models make a Monte Carlo predictive: their
-        class probabilities are averaged."""
+        class probabilities are averaged. ``data`` is the client's own training data, for a
+        method whose protocol personalizes at test time (hierbayes' Eq. 33)."""
         return {"": [self.personal_model(state, eval_msg)]}
 
 

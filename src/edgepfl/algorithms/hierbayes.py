@@ -57,12 +57,10 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.fedavg import num_samples
 from edgepfl.algorithms.training import ClientData
 from edgepfl.errors import ConfigError
-from edgepfl.federation.accounting import not_counted
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator
 
 MEAN, PREC, PSI, PRIOR, VAR = "mean.", "prec.", "psi.", "prior.", "var."
-PERSONAL = "personal."
 
 
 class HierBayesHyperparameters(Hyperparameters):
@@ -83,10 +81,10 @@ class HierBayesHyperparameters(Hyperparameters):
     mc_samples: int = Field(4, ge=1, description="Monte Carlo draws of the predictive (the "
                             "paper's Fig. 3 uses 100)")
     personalize: Literal["cloud", "edge"] = Field(
-        "cloud", description="cloud: fit f(theta) ~ p(theta | D_i, psi*) (Eq. 32-33) after "
-        "each update; edge: predict with the client's own q_i (Eq. 31)")
-    personal_epochs: int = Field(1, ge=1, description="epochs of the Eq. 33 fit (not counted "
-                                 "as round work: it is the evaluation protocol)")
+        "cloud", description="cloud: fit f(theta) ~ p(theta | D_i, psi*) (Eq. 32-33) on the "
+        "client's own training data at test time; edge: predict with its own q_i (Eq. 31)")
+    personal_epochs: int = Field(1, ge=1, description="epochs of the Eq. 33 fit (part of the "
+                                 "evaluation protocol, like the test itself: not round work)")
     client_init: Literal["edge", "local"] = Field(
         "edge", description="where a client's m_i starts each round: the edge mean m_k, or its "
         "own last m_i (Algorithm 2, step 7 allows both)")
@@ -193,9 +191,7 @@ class HierBayesCloud(Server):
         return {prefix + k: v for k, v in _unflat(flat, self.ctx.init_model, self.names).items()}
 
     def configure(self, rnd: int, edges: list[int]) -> dict[int, Message]:
-        var_e = expected_var(self.a_e, self.b_e)
-        msg = Message({**self._model(self.m0, PSI), **self._model(self.a_e / self.b_e, PREC),
-                       **self._model(var_e, VAR)})
+        msg = Message({**self._model(self.m0, PSI), **self._model(self.a_e / self.b_e, PREC)})
         return {k: msg for k in edges}
 
     def aggregate(self, rnd: int, reports: dict[int, Message]) -> None:
@@ -219,9 +215,12 @@ class HierBayesCloud(Server):
 
     def eval_message(self, cid: int) -> Message | None:
         # the global predictive of Algorithm 3: theta ~ N(m_0, v_0 + E sigma_e^2 + E sigma_c^2)
-        spread = self.v0 + expected_var(self.a_e, self.b_e) + self.var_c
-        return Message({**self._model(self.m0, PSI), **self._model(spread, VAR)},
-                       {"round": self.round})
+        var_e = expected_var(self.a_e, self.b_e)
+        spread = self.v0 + var_e + self.var_c
+        # p(theta | psi*) = N(m_0, E sigma_e^2 + E sigma_c^2): Eq. 32's prior for a client's
+        # personalization (sigma_c^2 averaged over the edges: the client is judged as a new one)
+        return Message({**self._model(self.m0, PSI), **self._model(spread, VAR),
+                        **self._model(1.0 / (var_e + self.var_c), PRIOR)}, {"round": self.round})
 
     def round_metrics(self) -> dict[str, float]:
         return {"edge_std": float(expected_var(self.a_e, self.b_e).sqrt().mean()),
@@ -239,22 +238,16 @@ class HierBayesEdge(Edge):
         self.v = torch.full((d,), hp.prior_var, dtype=torch.float64)
         self.a = hp.prior_strength
         self.b = torch.full((d,), hp.prior_strength * hp.prior_var, dtype=torch.float64)
-        self.m0, self.lam_e, self.var_e = self.m.clone(), 1.0 / self.v, self.v.clone()
+        self.m0, self.lam_e = self.m.clone(), 1.0 / self.v
 
     def _model(self, flat: torch.Tensor, prefix: str = "") -> State:
         return {prefix + k: v for k, v in _unflat(flat, self.ctx.init_model, self.names).items()}
 
     def receive(self, rnd: int, msg: Message) -> None:
-        self.m0, self.lam_e, self.var_e = (_flat(_split(msg, p), self.names)
-                                           for p in (PSI, PREC, VAR))
+        self.m0, self.lam_e = (_flat(_split(msg, p), self.names) for p in (PSI, PREC))
 
     def configure(self, rnd: int, step: int, selected: list[int]) -> dict[int, Message]:
-        tensors = {**self._model(self.m, MEAN), **self._model(self.a / self.b, PREC)}
-        if self.hp.personalize == "cloud":
-            # p(theta | psi*) = N(m_0, E sigma_e^2 + E sigma_ck^2), Eq. 32
-            prior = 1.0 / (self.var_e + expected_var(self.a, self.b))
-            tensors.update({**self._model(self.m0, PSI), **self._model(prior, PRIOR)})
-        msg = Message(tensors)
+        msg = Message({**self._model(self.m, MEAN), **self._model(self.a / self.b, PREC)})
         return {cid: msg for cid in selected}
 
     def aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None:
@@ -304,24 +297,24 @@ class HierBayesClient(Client):
             raise MessageError(f"hierbayes message lacks {MEAN} / {PREC} for the model's parameters")
         start = model_from_state(state) if self.hp.client_init == "local" else edge_mean
         m_i, stats = self._pulled_fit(data, gen, start, edge_mean, prec, self.ctx.train.local_epochs)
-        state = model_to_state(m_i)
-        if self.hp.personalize == "cloud":
-            psi, prior = _split(msg, PSI), _split(msg, PRIOR)
-            if set(psi) != set(self.names) or set(prior) != set(self.names):
-                raise MessageError(f"hierbayes message lacks {PSI} / {PRIOR} for personalization")
-            with not_counted():
-                f, _ = self._pulled_fit(data, gen, psi, psi, prior, self.hp.personal_epochs)
-            state.update({PERSONAL + k: v for k, v in f.items()})
-        return UpdateResult(Message(m_i, {"num_samples": data.n}), state, stats)
+        return UpdateResult(Message(m_i, {"num_samples": data.n}), model_to_state(m_i), stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        personal = {k[len(PERSONAL):]: v for k, v in state.items() if k.startswith(PERSONAL)}
-        return personal or model_from_state(state)
+        """q_i's mean, the client's own posterior (Eq. 31)."""
+        return model_from_state(state)
 
-    def predictive(self, state: State, eval_msg: Message | None) -> dict[str, list[State]]:
+    def predictive(self, cid: int, state: State, eval_msg: Message | None,
+                   data: ClientData) -> dict[str, list[State]]:
         hp = self.hp
         rnd = eval_msg.meta.get("round", 0) if eval_msg is not None else 0
         mean = self.personal_model(state, eval_msg)
+        if hp.personalize == "cloud" and eval_msg is not None and rnd > 0:
+            # Eq. 32-33: f(theta) ~ p(theta | D_i, psi*), fitted on the client's own data at
+            # test time from the current psi* (so a client not selected lately is not
+            # judged by a stale fit), starting at m_0 under the marginal prior
+            psi, prior = _split(eval_msg, PSI), _split(eval_msg, PRIOR)
+            mean, _ = self._pulled_fit(data, generator(self.ctx.seed, "personalize", rnd, cid),
+                                       psi, psi, prior, hp.personal_epochs)
         out = {"": self._draws(mean, None, hp.client_std, generator(self.ctx.seed, "mc", rnd))}
         if eval_msg is not None:
             psi, var = _split(eval_msg, PSI), _split(eval_msg, VAR)

@@ -268,12 +268,12 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
 def _evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     _, cid, node = _client(context)
     eval_msg = from_content(message.content, optional=True)
-    _, (x, y) = node.split(cid)
+    train, (x, y) = node.split(cid)
     figures: dict[str, int | float] = {"correct": 0, "count": int(y.numel()), "loss": 0.0}
     if y.numel():
         node.trainer(cid).forget()
-        f = evaluate_client(node.client(cid), node.trainer(cid), _state(context, node, cid),
-                            eval_msg, x, y)
+        f = evaluate_client(node.client(cid), node.trainer(cid), cid, _state(context, node, cid),
+                            eval_msg, train, x, y)
         figures.update(correct=int(f.correct), loss=float(f.loss))
         for name, (correct, loss) in f.extra.items():
             figures[f"correct.{name}"], figures[f"loss.{name}"] = int(correct), float(loss)

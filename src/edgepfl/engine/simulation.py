@@ -128,15 +128,15 @@ class InProcess(Transport):
                 out[cid] = Figures(0, 0, math.nan)
                 continue
             arch = self.arch[cid]
-            out[cid] = evaluate_client(self.parts[arch], self.trainers[arch],
-                                       self.store.row(cid), eval_msg, x, y)
+            out[cid] = evaluate_client(self.parts[arch], self.trainers[arch], cid,
+                                       self.store.row(cid), eval_msg, self.train_data[cid], x, y)
         return out
 
 
-def evaluate_client(client, trainer, state, eval_msg: Message | None, x: torch.Tensor,
-                    y: torch.Tensor) -> Figures:
+def evaluate_client(client, trainer, cid: int, state, eval_msg: Message | None,
+                    train: ClientData, x: torch.Tensor, y: torch.Tensor) -> Figures:
     """A client's named predictions (``Client.predictive``) on its test split."""
-    models = client.predictive(state, eval_msg)
+    models = client.predictive(cid, state, eval_msg, train)
     correct, loss = trainer.evaluate_predictive(models.pop(""), x, y)
     extra = {name: trainer.evaluate_predictive(states, x, y) for name, states in models.items()}
     return Figures(correct, int(y.numel()), loss, extra)
