@@ -261,3 +261,78 @@ def test_width_slices_average_each_element_over_the_clients_that_cover_it():
     assert out[1, 2] == pytest.approx(4.0)  # only the wide one
     out = average_width_slices(previous, [narrow], [1.0])["w"]
     assert out[1, 2] == 9.0  # nobody covers it: previous value
+
+
+# -- asynchronous edges --------------------------------------------------------------------
+ONE_SPEED = ['system.tiers=[{name="all", flops=5e9, share=1.0}]', "system.devices=tiers",
+             "system.profile=fixed_rate", "system.rate_mbps=1000", "partition.scheme=iid"]
+
+
+def test_the_asynchronous_plan():
+    from edgepfl.engine.rounds import async_edge_rounds
+
+    assert async_edge_rounds([None, None], 2) == [2, 2]  # not timed yet: synchronous
+    assert async_edge_rounds([1.0, 1.0, 1.0], 3) == [3, 3, 3]
+    assert async_edge_rounds([1.0, 1.1, 0.95], 2) == [2, 2, 2]  # within 1 +- 1/(2 k2)
+    assert async_edge_rounds([1.0, 0.5, 5.0], 2) == [2, 4, 0]  # fast: more; 5x slower: busy
+
+
+def test_asynchronous_edges_of_one_speed_equal_the_synchronous_run_exactly():
+    common = [*HIER, "partition.clients=8", "topology.edges=2", "topology.edge_rounds=2",
+              *ONE_SPEED]
+    _, sync = _run(*common)
+    sim, asyn = _run(*common, "topology.mode=async")
+    assert all(r["edge_rounds_min"] == r["edge_rounds_max"] == 2 for r in asyn.metrics)
+    keep = [k for k in sync.metrics[0] if k != "wall_s"]
+    assert [{k: r[k] for k in keep} for r in asyn.metrics] == \
+           [{k: r[k] for k in keep} for r in sync.metrics]
+
+
+def test_a_slow_edge_is_stale_and_the_cloud_weights_it_down():
+    # three edges; edge 2's clients are 8x slower devices, so it misses whole periods
+    probe = Simulation(fast_config("partition.clients=9", "system.devices=tiers",
+                                   'system.tiers=[{name="fast", flops=8e9, share=0.6667}, '
+                                   '{name="slow", flops=1e9, share=0.3333}]'), progress=False)
+    slow = [c for c in range(9) if probe.federation.tier[c] == "slow"]
+    fast = [c for c in range(9) if c not in slow]
+    parents = [0] * 9
+    for i, c in enumerate(fast):
+        parents[c] = i % 2
+    for c in slow:
+        parents[c] = 2
+    sim = Simulation(fast_config(*HIER, "partition.clients=9", "topology.edges=3",
+                                 "topology.assignment=explicit", f"topology.parents={parents}",
+                                 "topology.mode=async", "topology.edge_rounds=1",
+                                 "system.devices=tiers", "system.profile=fixed_rate",
+                                 "system.rate_mbps=10000", "train.rounds=4",
+                                 'system.tiers=[{name="fast", flops=8e9, share=0.6667}, '
+                                 '{name="slow", flops=1e9, share=0.3333}]'), progress=False)
+    seen = []
+    aggregate = sim.server.aggregate
+
+    def spy(rnd, reports):
+        seen.append({k: dict(m.meta) for k, m in reports.items()})
+        aggregate(rnd, reports)
+
+    sim.server.aggregate = spy
+    sim.run()
+    assert sim.metrics[0]["edges_busy"] == 0  # the first period is synchronous
+    later = sim.metrics[1:]
+    assert any(r["edges_busy"] == 1 for r in later)
+    stale = [m[2] for m in seen[1:] if "staleness" in m[2]]
+    assert stale and all(m["staleness"] >= 1 for m in stale)
+    assert all("staleness" not in m[k] for m in seen for k in (0, 1))
+    # a busy edge took no new model: its backhaul download is smaller than a fast edge's
+    assert sim.rounds.edge_bytes_down[2] < sim.rounds.edge_bytes_down[0]
+
+
+def test_asynchronous_edges_need_the_system_model():
+    with pytest.raises(ConfigError, match="count_flops"):
+        Simulation(fast_config(*HIER, "topology.edges=2", "topology.mode=async",
+                               "system.count_flops=false"), progress=False)
+
+
+def test_an_asynchronous_run_resumes_exactly(tmp_path):
+    resumed, straight = resumed_and_straight(tmp_path, *HIER, "topology.edges=2",
+                                             "topology.mode=async", "topology.edge_rounds=2")
+    assert without_wall(resumed.metrics) == without_wall(straight.metrics)

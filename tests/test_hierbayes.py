@@ -180,3 +180,27 @@ def test_hierbayes_refuses_a_star_and_batchnorm():
         Simulation(fast_config("algorithm.name=hierbayes"), progress=False)
     with pytest.raises(ConfigError, match="BatchNorm"):
         Simulation(fast_config(*HB, "model.name=cnn_small_bn"), progress=False)
+
+
+def test_stale_edges_enter_the_cloud_block_as_fractions_of_an_observation():
+    from edgepfl.algorithms.hierbayes import cloud_update
+
+    torch.manual_seed(0)
+    means, variances = torch.randn(2, 4, dtype=torch.float64), torch.full((2, 4), 1e-3, dtype=torch.float64)
+    b = torch.full((4,), 0.1, dtype=torch.float64)
+    plain = cloud_update(means, variances, 1e4, 1.0, b, 1.0, 0.1, 5)
+    equal = cloud_update(means, variances, 1e4, 1.0, b, 1.0, 0.1, 5, torch.ones(2, dtype=torch.float64))
+    for x, y in zip(plain, equal, strict=True):
+        assert torch.allclose(torch.as_tensor(x), torch.as_tensor(y))
+    # an edge of weight ~0 leaves the cloud's mean where the other edge alone puts it
+    alone = cloud_update(means[:1], variances[:1], 1e4, 1.0, b, 1.0, 0.1, 5)
+    faded = cloud_update(means, variances, 1e4, 1.0, b, 1.0, 0.1, 5,
+                         torch.tensor([1.0, 1e-9], dtype=torch.float64))
+    assert torch.allclose(faded[0], alone[0], atol=1e-6)
+
+
+def test_hierbayes_runs_with_asynchronous_edges():
+    result = Simulation(fast_config(*HB, "topology.mode=async", "topology.edge_rounds=2",
+                                    "train.rounds=3"), progress=False).run()
+    assert "edge_rounds_max" in result.metrics[-1]
+    assert not math.isnan(result.summary["acc_mean_final"])

@@ -24,6 +24,7 @@ from edgepfl.system import (
     transfer_time,
     work_signature,
 )
+from edgepfl.system.cost import EdgeStep
 
 # One deterministic link: every range collapsed to a point, no interference.
 POINT_LINK = {"profile": "custom", "client_bandwidth_mhz": [20, 20], "client_power_dbm": [30, 30],
@@ -31,8 +32,8 @@ POINT_LINK = {"profile": "custom", "client_bandwidth_mhz": [20, 20], "client_pow
               "down_interference_mean": 0.0, "down_interference_std": 0.0}
 
 
-def model(n=4, seed=0, **cfg):
-    return SystemModel.build(build_system_config(cfg), n, seed)
+def model(n=4, seed=0, epochs=None, **cfg):
+    return SystemModel.build(build_system_config(cfg), n, seed, epochs=epochs)
 
 
 # -- link times -------------------------------------------------------------------------
@@ -207,6 +208,21 @@ def test_tiers_follow_their_shares_exactly():
     ({"devices": "tiers", "tiers": [{"name": "a", "flops": 1e9, "share": 0.4}]}, ["sum to 1"]),
     ({"device_flops": [0, 1e9]}, ["device_flops", "0 < lo"]),
     ({"bandwidth": 3}, ["unknown setting 'system.bandwidth'", "client_bandwidth_mhz"]),
+    # wen_table2: its channel is fixed, its compute is not priced by FLOP/s ...
+    ({"profile": "wen_table2", "noise_dbm_per_hz": -174},
+     ["noise_dbm_per_hz = -174", "profile value -125", "'custom'"]),
+    ({"profile": "wen_table2", "client_power_dbm": [44.77, 44.77]},
+     ["client_power_dbm = [44.77, 44.77] (profile value [30, 30])", "Table 2"]),
+    ({"profile": "wen_table2", "downlink_sharing": "fdma"}, ["downlink_sharing = 'fdma'", "wen_table2"]),
+    ({"profile": "wen_table2", "devices": "tiers"}, ["devices = 'tiers'", "CPU cycles", "do not apply"]),
+    ({"profile": "wen_table2", "device_flops": [1e9, 2e9]}, ["device_flops = [1e+09, 2e+09]", "do not apply"]),
+    ({"profile": "wen_table2", "rate_mbps": 5}, ["rate_mbps = 5", "only to profile = 'fixed_rate'"]),
+    ({"profile": "wen_table2", "cpu_ghz": [1.0, 0.5]}, ["cpu_ghz", "0 < lo <= hi"]),
+    ({"profile": "wen_table2", "data_mb": 0}, ["system.data_mb = 0", "greater than 0"]),
+    # ... and its compute settings apply to it alone
+    ({"cycles_per_bit": 20}, ["cycles_per_bit = 20", "only to profile = 'wen_table2'", "'kapc_table4'"]),
+    ({"profile": "custom", "cpu_ghz": [1, 2]}, ["cpu_ghz = [1, 2] (default [0.5, 1])", "'custom'"]),
+    ({"profile": "fixed_rate", "data_mb": 4}, ["data_mb = 4", "'wen_table2'", "counted FLOPs"]),
 ])
 def test_bad_settings_name_the_value_and_the_valid_range(data, words):
     with pytest.raises(ConfigError) as exc:
@@ -216,12 +232,95 @@ def test_bad_settings_name_the_value_and_the_valid_range(data, words):
 
 
 @pytest.mark.parametrize("data", [{}, {"devices": "tiers"}, {"profile": "fixed_rate", "rate_mbps": 3},
-                                  {"profile": "custom", "distance_m": [10, 20]}])
+                                  {"profile": "custom", "distance_m": [10, 20]},
+                                  {"profile": "wen_table2"}, {"profile": "wen_table2", "data_mb": 1.5}])
 def test_config_survives_its_json_copy_unchanged(data):
     # resume compares a run's config with the JSON it stored: tuples would differ from lists
     dumped = build_system_config(data).model_dump()
     assert json.loads(json.dumps(dumped)) == dumped
     assert build_system_config(json.loads(json.dumps(dumped))).model_dump() == dumped
+
+
+# -- wen_table2 (Wen et al. Table 2) ----------------------------------------------------
+N0_WEN = 10 ** ((-125 - 30) / 10)  # -125 dBm/Hz in W/Hz
+
+
+def test_wen_table2_config_carries_the_profile_values():
+    cfg = build_system_config({"profile": "wen_table2"})
+    assert cfg.client_bandwidth_mhz == [1.0, 1.0] and cfg.server_bandwidth_mhz == 1.0
+    assert cfg.client_power_dbm == [30.0, 30.0] and cfg.server_power_dbm == 30.0  # 1 W
+    assert cfg.noise_dbm_per_hz == -125.0
+    assert (cfg.up_interference_mean, cfg.up_interference_std) == (0.0, 0.0)
+    assert (cfg.down_interference_mean, cfg.down_interference_std) == (0.0, 0.0)
+    assert cfg.distance_m == [100.0, 500.0] and cfg.path_loss_db == -40.0  # KAPC Table 4's
+    assert (cfg.cpu_ghz, cfg.cycles_per_bit, cfg.data_mb) == ([0.5, 1.0], 15.0, 2.0)
+    # restating a profile value is fine; so is changing its compute settings
+    build_system_config({"profile": "wen_table2", "noise_dbm_per_hz": -125, "cpu_ghz": [0.6, 0.9]})
+    # the profile is filled in when the whole run config is built, too
+    from edgepfl.config import build_config
+    assert build_config({}, ["system.profile=wen_table2"]).system == cfg
+    # the FLOP profiles keep their values
+    kapc = build_system_config({})
+    assert kapc.client_bandwidth_mhz == [10.0, 30.0] and kapc.noise_dbm_per_hz == -174.0
+
+
+def test_wen_table2_rates_match_hand_computation():
+    # the worked example in docs/system.md: B = 1 MHz, p = 30 dBm = 1 W, N0 = -125 dBm/Hz,
+    # h = 1e-4 * d^-4, no interference; at 100 m: SNR = 1e-12 / 3.162e-10 = -25 dB
+    at_100m = 1e6 * math.log2(1 + 1.0 * 1e-12 / (1e6 * N0_WEN))
+    assert at_100m == pytest.approx(4555, rel=1e-3)  # bit/s; 1 MB takes 1756 s
+    assert shannon_rate(1e6, 1.0, 1e-12, 0.0, N0_WEN) == pytest.approx(at_100m, rel=1e-12)
+    m = model(n=4, epochs=1, profile="wen_table2")
+    p = m.links.params
+    d = float(p["distance_m"][0])
+    assert 100 <= d <= 500 and p["bandwidth_hz"][0] == 1e6 and p["power_dbm"][0] == 30.0
+    rate = 1e6 * math.log2(1 + 1.0 * (1e-4 * d ** -4) / (1e6 * N0_WEN))
+    assert m.uplink_bps[0] == pytest.approx(rate, rel=1e-9)
+    assert m.downlink_bps[0] == pytest.approx(rate, rel=1e-9)  # the server: 1 MHz, 1 W too
+    costs = m.round_costs([0], {0: 1_000_000}, {0: 1_000_000}, {0: 0}, 0)
+    assert costs["t_up"] == pytest.approx(8e6 / rate) and costs["t_down"] == pytest.approx(8e6 / rate)
+
+
+def test_wen_table2_compute_is_epochs_cycles_bits_over_frequency():
+    m = model(n=5, epochs=3, profile="wen_table2")
+    f = m.devices.cpu_hz
+    assert ((f >= 0.5e9) & (f <= 1e9)).all() and len(set(f.tolist())) == 5
+    expected = {cid: 3 * 15 * (2e6 * 8) / f[cid] for cid in range(5)}  # 0.72-1.44 s
+    # FLOPs do not price it: any count, or none at all, gives the same compute time
+    times = m.client_times([0, 1, 2], {}, {}, {0: 123, 1: 0, 2: 10**12})
+    assert {cid: c for cid, (_, c, _) in times.items()} == pytest.approx(
+        {cid: expected[cid] for cid in range(3)}, rel=1e-12)
+    costs = m.round_costs([0, 1, 2], {}, {}, None, None)
+    assert costs["t_compute"] == pytest.approx(max(expected[c] for c in range(3)), rel=1e-12)
+    assert math.isnan(costs["t_server"]) and math.isnan(costs["flops_client"])
+    # a point CPU and the other settings: 2 epochs x 20 cycles/bit x 4e6 bit / 1 GHz = 0.16 s
+    point = model(n=2, epochs=2, profile="wen_table2", cpu_ghz=[1, 1], cycles_per_bit=20, data_mb=0.5)
+    assert point.round_costs([1], {}, {}, {1: 0}, 0)["t_compute"] == pytest.approx(0.16, rel=1e-12)
+    # a hierarchy pays it once per edge round (each edge round is train.local_epochs)
+    step = EdgeStep([1], {}, {}, None, 0)
+    h = point.hierarchical_costs({0: [step, step]}, {}, {}, 0)
+    assert h["t_compute"] == pytest.approx(0.32, rel=1e-12)
+    # seeded per client, from a stream of its own
+    assert np.array_equal(model(n=9, epochs=3, profile="wen_table2").devices.cpu_hz[:5], f)
+    described = json.loads(json.dumps(m.describe()))
+    assert described["devices"] == "cpu_cycles" and described["epochs"] == 3
+    assert described["data_bits"] == 16e6 and described["cycles_per_bit"] == 15
+    row = described["clients"][0]
+    assert "flops_per_s" not in row and row["compute_s"] == pytest.approx(expected[0])
+
+
+def test_wen_table2_needs_the_local_epochs():
+    with pytest.raises(ConfigError, match=r"epochs=cfg\.train\.local_epochs"):
+        SystemModel.build(build_system_config({"profile": "wen_table2"}), 3, 0)
+
+
+def test_epochs_do_not_change_the_flop_profiles():
+    for cfg in [{}, {"profile": "fixed_rate"}, {"devices": "tiers"}]:
+        plain, told = model(n=5, **cfg), model(n=5, epochs=7, **cfg)
+        assert plain.compute_s is None and plain.devices.cpu_hz is None
+        assert json.dumps(plain.describe()) == json.dumps(told.describe())
+        args = ([0, 1], {0: 10**5, 1: 10**5}, {0: 10**5, 1: 10**5}, {0: 10**9, 1: 2 * 10**9}, 10**9)
+        assert plain.round_costs(*args) == told.round_costs(*args)
 
 
 def test_at_least_one_client():

@@ -55,6 +55,10 @@ class TopologyConfig(_Section):
     parents: list[int] = Field(default_factory=list, description="explicit: each client's edge")
     edge_rounds: int = Field(1, ge=1, description="k2: edge aggregations per cloud round "
                              "(local epochs per edge round stay train.local_epochs, k1)")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: every edge k2 edge rounds per cloud round; async: each as "
+        "many as its clients' simulated time allows in a period of k2 median edge rounds "
+        "(simulation only)")
 
 
 class TrainConfig(_Section):

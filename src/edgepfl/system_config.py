@@ -2,13 +2,16 @@
 
 Defaults are the KAPC journal paper's Table 4 (Shannon links of a mobile edge network);
 ``fixed_rate`` is DC-PFL's 2 Mbps per client; ``custom`` is the Shannon model with your
-own parameters. A setting that the chosen profile would ignore is an error rather than a
-silent no-op, so the profile name in a run's config always says what was simulated.
+own parameters; ``wen_table2`` is Wen et al.'s Table 2 (1 MHz Shannon links, devices
+priced by CPU cycles per bit of training data rather than by counted FLOPs). A setting
+that the chosen profile would ignore is an error rather than a silent no-op, so the
+profile name in a run's config always says what was simulated.
 Units are in the field names (MHz, dBm, m, FLOP/s); docs/system.md has the equations.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -46,6 +49,21 @@ SHANNON_FIELDS = ("client_bandwidth_mhz", "client_power_dbm", "distance_m", "pat
                   "down_interference_std", "interference_unit", "server_bandwidth_mhz",
                   "server_power_dbm", "downlink_sharing")
 FIXED_RATE_FIELDS = ("rate_mbps", "down_rate_mbps")
+CYCLES_FIELDS = ("cpu_ghz", "cycles_per_bit", "data_mb")  # wen_table2's compute model
+FLOPS_DEVICE_FIELDS = ("devices", "device_flops", "tiers")  # the FLOP/s compute model
+
+# Wen et al. (Hierarchical asynchronous FL for edge computing networks), Table 2: B = 1 MHz,
+# n_0 = -125 dBm/Hz, p_k = "30 W" (read as 30 dBm = 1 W; docs/system.md says why). The -125
+# dBm/Hz is taken as noise plus interference, so there is no separate interference draw.
+# Table 2 has no server power, distance or path loss: those are KAPC Table 4's (the class
+# defaults). A wen_table2 config carries these values in its fields, so its record (and
+# its JSON copy, compared on resume) states the channel that was simulated.
+WEN_TABLE2_LINK: dict[str, Any] = {
+    "client_bandwidth_mhz": [1.0, 1.0], "client_power_dbm": [30.0, 30.0],
+    "noise_dbm_per_hz": -125.0, "up_interference_mean": 0.0, "up_interference_std": 0.0,
+    "down_interference_mean": 0.0, "down_interference_std": 0.0,
+    "server_bandwidth_mhz": 1.0, "server_power_dbm": 30.0,
+}
 
 
 class SystemConfig(BaseModel):
@@ -53,9 +71,11 @@ class SystemConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
-    profile: Literal["kapc_table4", "fixed_rate", "custom"] = Field(
+    profile: Literal["kapc_table4", "fixed_rate", "custom", "wen_table2"] = Field(
         "kapc_table4", description="kapc_table4 (Shannon links, KAPC Table 4), fixed_rate "
-        "(DC-PFL: rate_mbps per client), custom (Shannon links with your parameters)")
+        "(DC-PFL: rate_mbps per client), custom (Shannon links with your parameters), "
+        "wen_table2 (Wen et al. Table 2: 1 MHz Shannon links, compute = local epochs x "
+        "cycles_per_bit x data bits / CPU frequency)")
 
     # -- Shannon links: r = B log2(1 + p h / (I + B N0)) ------------------------------------
     client_bandwidth_mhz: Range = Field(
@@ -98,6 +118,18 @@ class SystemConfig(BaseModel):
         list(HMPL_TIERS), description="tiers: device classes (name, flops, share); shares sum to 1")
     server_flops: float = Field(1e11, gt=0, description="server compute speed, FLOP/s")
 
+    # -- cycles-per-bit devices (profile wen_table2 only) --------------------------------
+    cpu_ghz: Range = Field(
+        [0.5, 1.0], description="wen_table2: client CPU frequency f_k, GHz, uniform in [lo, hi] "
+        "(Wen et al. Table 2: f_k^max 0.5-1.0 GHz)")
+    cycles_per_bit: float = Field(
+        15.0, gt=0, description="wen_table2: CPU cycles per bit of training data per local "
+        "epoch, C_k (Table 2: 15)")
+    data_mb: float = Field(
+        2.0, gt=0, description="wen_table2: training data per client, MB (10^6 bytes), D "
+        "(Table 2: 2 MB); local training takes local_epochs * cycles_per_bit * 8e6 * data_mb "
+        "/ f_k seconds")
+
     # -- edge servers (topology.edges > 0) -------------------------------------------------
     backhaul_mbps: float = Field(
         100.0, gt=0, description="edge <-> cloud backhaul rate, Mbit/s, each direction (a wired "
@@ -113,7 +145,7 @@ class SystemConfig(BaseModel):
     cache_flops: bool = Field(
         True, description="count a client's local training once per work shape and reuse it")
 
-    @field_validator("client_bandwidth_mhz", "distance_m", "device_flops")
+    @field_validator("client_bandwidth_mhz", "distance_m", "device_flops", "cpu_ghz")
     @classmethod
     def _positive_range(cls, value: Range, info) -> Range:
         lo, hi = value
@@ -142,25 +174,48 @@ class SystemConfig(BaseModel):
             raise ValueError(f"tier shares sum to {total:g}; they must sum to 1")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_values(cls, data: Any) -> Any:
+        """``wen_table2`` fills its channel values into the keys the run did not set (a key
+        it did set must equal the profile's value: see ``_no_ignored_settings``)."""
+        if isinstance(data, Mapping) and data.get("profile") == "wen_table2":
+            return {**copy.deepcopy(WEN_TABLE2_LINK), **data}
+        return data
+
     @model_validator(mode="after")
     def _no_ignored_settings(self) -> SystemConfig:
         """A value the chosen profile would ignore is a mistake, not a no-op."""
         defaults = type(self).model_fields
 
-        def changed(names: tuple[str, ...]) -> str:
-            return "; ".join(
-                f"{n} = {_show(getattr(self, n))} (default {_show(defaults[n].default)})"
-                for n in names if getattr(self, n) != defaults[n].default)
+        def changed(names: tuple[str, ...], profile: Mapping[str, Any] | None = None) -> str:
+            ref = {n: (profile[n] if profile and n in profile else defaults[n].default)
+                   for n in names}
+            label = "profile value" if profile else "default"
+            return "; ".join(f"{n} = {_show(getattr(self, n))} ({label} {_show(ref[n])})"
+                             for n in names if getattr(self, n) != ref[n])
 
         if self.profile == "kapc_table4" and (diff := changed(SHANNON_FIELDS)):
             raise ValueError(f"{diff}: profile 'kapc_table4' means KAPC Table 4 exactly; set "
                              "profile = 'custom' to simulate your own channel parameters")
+        if self.profile == "wen_table2" and (diff := changed(SHANNON_FIELDS, WEN_TABLE2_LINK)):
+            raise ValueError(f"{diff}: profile 'wen_table2' means Wen et al. Table 2's channel "
+                             "exactly (with KAPC Table 4's distances and path loss); set "
+                             "profile = 'custom' to simulate your own channel parameters")
         if self.profile == "fixed_rate" and (diff := changed(SHANNON_FIELDS)):
-            raise ValueError(f"{diff}: applies only to the Shannon profiles 'kapc_table4' and "
-                             "'custom', not to profile = 'fixed_rate'")
+            raise ValueError(f"{diff}: applies only to the Shannon profiles 'kapc_table4', "
+                             "'custom' and 'wen_table2', not to profile = 'fixed_rate'")
         if self.profile != "fixed_rate" and (diff := changed(FIXED_RATE_FIELDS)):
             raise ValueError(f"{diff}: applies only to profile = 'fixed_rate', "
                              f"not to profile = {self.profile!r}")
+        if self.profile != "wen_table2" and (diff := changed(CYCLES_FIELDS)):
+            raise ValueError(f"{diff}: applies only to profile = 'wen_table2' (local training "
+                             "priced by CPU cycles per bit), not to profile = "
+                             f"{self.profile!r}, which prices it by counted FLOPs / device_flops")
+        if self.profile == "wen_table2" and (diff := changed(FLOPS_DEVICE_FIELDS)):
+            raise ValueError(f"{diff}: profile 'wen_table2' prices local training by CPU "
+                             "cycles (cpu_ghz, cycles_per_bit, data_mb), not by FLOP/s, so "
+                             "devices, device_flops and tiers do not apply to it")
         if self.devices == "uniform" and changed(("tiers",)):
             raise ValueError("tiers apply only to devices = 'tiers', not to devices = 'uniform'")
         if self.devices == "tiers" and (diff := changed(("device_flops",))):
@@ -171,6 +226,8 @@ class SystemConfig(BaseModel):
 def _show(value: Any) -> str:
     if isinstance(value, list) and all(isinstance(v, float) for v in value):
         return "[" + ", ".join(f"{v:g}" for v in value) + "]"
+    if isinstance(value, list) and all(isinstance(v, DeviceTier) for v in value):
+        return "[" + ", ".join(f"{t.name}: {t.flops:g} FLOP/s x {t.share:g}" for t in value) + "]"
     return repr(value)
 
 

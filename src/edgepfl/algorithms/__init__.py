@@ -32,6 +32,7 @@ _MODULES = [
     "clusterfl",
     "hierfavg",
     "hierbayes",
+    "pfedbayes",
 ]
 
 ALGORITHMS: dict[str, Algorithm] = {}

@@ -55,6 +55,7 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.fedavg import num_samples
+from edgepfl.algorithms.hierfavg import STALENESS, staleness
 from edgepfl.algorithms.training import ClientData
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
@@ -85,6 +86,9 @@ class HierBayesHyperparameters(Hyperparameters):
         "client's own training data at test time; edge: predict with its own q_i (Eq. 31)")
     personal_epochs: int = Field(1, ge=1, description="epochs of the Eq. 33 fit (part of the "
                                  "evaluation protocol, like the test itself: not round work)")
+    staleness_exponent: float = Field(
+        0.5, ge=0, description="topology.mode = async: an edge posterior s cloud periods old "
+        "enters the cloud block with weight (1 + s)^-a, as (1 + s)^-a observations")
     client_init: Literal["edge", "local"] = Field(
         "edge", description="where a client's m_i starts each round: the edge mean m_k, or its "
         "own last m_i (Algorithm 2, step 7 allows both)")
@@ -125,14 +129,20 @@ def edge_update(uploads: torch.Tensor, size: float, eps: float, m0: torch.Tensor
 
 
 def cloud_update(means: torch.Tensor, variances: torch.Tensor, psi_prior_var: float,
-                 a: float, b: torch.Tensor, a_p: float, b_p: float,
-                 iters: int) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+                 a: float, b: torch.Tensor, a_p: float, b_p: float, iters: int,
+                 weights: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
     """Eq. 28: q(psi) and q(sigma_e^2) from the edges' posteriors N(m_k, v_k) (rows).
-    Returns (m_0, v_0, a_e, b_e)."""
-    count = means.shape[0]
+    ``weights`` (asynchronous edges: stale ones count as fractions of an observation)
+    scale each edge's term in the objective. Returns (m_0, v_0, a_e, b_e)."""
+    count = means.shape[0] if weights is None else float(weights.sum())
+    if weights is not None:
+        w = (weights / weights.sum()).view(-1, *([1] * (means.dim() - 1))).to(means.dtype)
     for _ in range(iters):
-        m, v = gaussian_block(means, count, a / b, torch.zeros_like(means[0]), 1.0 / psi_prior_var)
-        sq = ((means - m) ** 2 + variances).mean(0) + v
+        centre = means if weights is None else (w * means).sum(0, keepdim=True)
+        m, v = gaussian_block(centre, count, a / b, torch.zeros_like(means[0]), 1.0 / psi_prior_var)
+        spread = (means - m) ** 2 + variances
+        sq = (spread.mean(0) if weights is None else (w * spread).sum(0)) + v
         a, b = gamma_block(sq, count, a_p, b_p)
     return m, v, a, b
 
@@ -198,8 +208,9 @@ class HierBayesCloud(Server):
         self.round = rnd
         if not reports:
             return
-        means, variances, var_c = [], [], []
+        means, variances, var_c, ages = [], [], [], []
         for k, report in reports.items():
+            ages.append(staleness(k, report))
             parts = [_split(report, p) for p in (MEAN, VAR, PRIOR)]
             if any(set(part) != set(self.names) for part in parts):
                 raise MessageError(f"edge {k}'s report needs {MEAN}, {VAR} and {PRIOR} entries "
@@ -208,9 +219,13 @@ class HierBayesCloud(Server):
             variances.append(_flat(parts[1], self.names))
             var_c.append(_flat(parts[2], self.names))
         hp = self.hp
+        weights = None
+        if any(ages):
+            weights = torch.tensor([(1 + s) ** -hp.staleness_exponent for s in ages],
+                                   dtype=torch.float64)
         self.m0, self.v0, self.a_e, self.b_e = cloud_update(
             torch.stack(means), torch.stack(variances), hp.psi_prior_var, self.a_e, self.b_e,
-            hp.prior_strength, hp.prior_strength * hp.prior_var, hp.inner_iters)
+            hp.prior_strength, hp.prior_strength * hp.prior_var, hp.inner_iters, weights)
         self.var_c = torch.stack(var_c).mean(0)
 
     def eval_message(self, cid: int) -> Message | None:
@@ -228,7 +243,7 @@ class HierBayesCloud(Server):
 
 
 class HierBayesEdge(Edge):
-    state = ("m", "v", "a", "b")
+    state = ("m", "v", "a", "b", "refreshed")
 
     def __init__(self, ctx: EdgeContext, hp: HierBayesHyperparameters):
         super().__init__(ctx, hp)
@@ -239,6 +254,7 @@ class HierBayesEdge(Edge):
         self.a = hp.prior_strength
         self.b = torch.full((d,), hp.prior_strength * hp.prior_var, dtype=torch.float64)
         self.m0, self.lam_e = self.m.clone(), 1.0 / self.v
+        self.refreshed = 0  # the cloud round of its last aggregation of its clients
 
     def _model(self, flat: torch.Tensor, prefix: str = "") -> State:
         return {prefix + k: v for k, v in _unflat(flat, self.ctx.init_model, self.names).items()}
@@ -265,10 +281,12 @@ class HierBayesEdge(Edge):
         self.m, self.v, self.a, self.b = edge_update(
             torch.stack(uploads), len(self.ctx.members), hp.client_std, self.m0, self.lam_e,
             self.a, self.b, hp.prior_strength, hp.prior_strength * hp.prior_var, hp.inner_iters)
+        self.refreshed = rnd
 
     def report(self, rnd: int) -> Message:
+        meta = {STALENESS: rnd - self.refreshed} if rnd > self.refreshed else {}
         return Message({**self._model(self.m, MEAN), **self._model(self.v, VAR),
-                        **self._model(expected_var(self.a, self.b), PRIOR)})
+                        **self._model(expected_var(self.a, self.b), PRIOR)}, meta)
 
 
 class HierBayesClient(Client):

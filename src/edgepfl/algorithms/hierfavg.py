@@ -20,6 +20,8 @@ weighted by those clients' samples.
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from edgepfl.algorithms.base import Algorithm, Edge, EdgeContext, State
 from edgepfl.algorithms.fedavg import (
     FedAvgClient,
@@ -32,6 +34,21 @@ from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import Message, MessageError
 
 KEY_SAMPLES = "key_samples"
+STALENESS = "staleness"
+
+
+class HierFAVGHyperparameters(FedAvgHyperparameters):
+    staleness_exponent: float = Field(
+        0.5, ge=0, description="topology.mode = async: an edge model s cloud periods old is "
+        "weighted by its samples times (1 + s)^-a (FedAsync's polynomial rule); 0 ignores age")
+
+
+def staleness(edge: int, report: Message) -> int:
+    """Cloud periods since the edge's model was last refreshed by its clients (0 if absent)."""
+    s = report.meta.get(STALENESS, 0)
+    if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        raise MessageError(f"edge {edge} sent {STALENESS} = {s!r}; expected an integer >= 0")
+    return s
 
 
 class HierFAVGCloud(FedAvgServer):
@@ -43,6 +60,10 @@ class HierFAVGCloud(FedAvgServer):
 
     def aggregate(self, rnd: int, reports: dict[int, Message]) -> None:
         weights = {k: num_samples(k, m) for k, m in reports.items()}
+        ages = {k: staleness(k, m) for k, m in reports.items()}
+        if any(ages.values()):  # asynchronous edges: older models count for less
+            a = self.hp.staleness_exponent
+            weights = {k: w * (1 + ages[k]) ** -a for k, w in weights.items()}
         if not reports or sum(weights.values()) == 0:
             return
         for k, m in reports.items():
@@ -78,11 +99,15 @@ def _key_samples(edge: int, report: Message, count: int) -> list[int]:
 
 
 class HierFAVGEdge(Edge):
+    # what an asynchronous edge still holds when a cloud period ends before it finishes
+    state = ("model", "samples", "refreshed")
+
     def __init__(self, ctx: EdgeContext, hp):
         super().__init__(ctx, hp)
         self.index = ctx.param_index()
         self.model: State = {}
-        self.samples: dict[int, int] = {}
+        self.samples: dict[str, int] = {}  # client id (as text: JSON keys) -> samples
+        self.refreshed = 0  # the cloud round of the edge's last aggregation of its clients
 
     def receive(self, rnd: int, msg: Message) -> None:
         self.model = dict(msg.tensors)
@@ -96,14 +121,18 @@ class HierFAVGEdge(Edge):
 
     def aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None:
         self.model = average_models(self.ctx, self.index, self.model, replies)
-        self.samples = {cid: num_samples(cid, r) for cid, r in replies.items()}
+        self.samples = {str(cid): num_samples(cid, r) for cid, r in replies.items()}
+        self.refreshed = rnd
 
     def report(self, rnd: int) -> Message:
         meta: dict = {"num_samples": sum(self.samples.values())}
+        if rnd - self.refreshed > 0:  # still busy (asynchronous): what it holds is older
+            meta[STALENESS] = rnd - self.refreshed
         if self.index is not None:
             arch_of = self.ctx.arch_of
             meta[KEY_SAMPLES] = [
-                sum(n for cid, n in self.samples.items() if arch_of[cid] in self.index.holders(key))
+                sum(n for cid, n in self.samples.items()
+                    if arch_of[int(cid)] in self.index.holders(key))
                 for key in self.model]
         return Message(self.model, meta)
 
@@ -111,7 +140,7 @@ class HierFAVGEdge(Edge):
 ALGORITHM = Algorithm(
     name="hierfavg",
     summary="HierFAVG: client -> edge -> cloud FedAvg; k2 edge aggregations per cloud round",
-    hyperparameters=FedAvgHyperparameters,
+    hyperparameters=HierFAVGHyperparameters,
     server=HierFAVGCloud,
     client=FedAvgClient,
     edge=HierFAVGEdge,

@@ -30,6 +30,7 @@ from edgepfl import __version__
 from edgepfl.algorithms.base import Edge, Server
 from edgepfl.config import Config
 from edgepfl.engine.parts import Parts
+from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.topology import CLOUD
 from edgepfl.system import COST_COLUMNS, FlopMeter, SystemModel, cost_totals, state_bytes
@@ -141,6 +142,15 @@ class Rounds:
         self.client_best = [math.nan] * n
         self.client_best_selected = [math.nan] * n
         self._selected: list[int] = []
+        self.asynchronous = self.cfg.topology.mode == "async"
+        if self.asynchronous and (system is None or not self.flops.enabled
+                                  or not transport.counts_flops):
+            raise ConfigError("topology.mode = 'async' schedules each edge by its clients' "
+                              "simulated time, which needs the simulation's system model with "
+                              "system.count_flops = true (and is not available on Flower, "
+                              "whose time is real)")
+        # each edge's mean edge-round time in its last period (None: not measured yet)
+        self.edge_times: list[float | None] = [None] * fed.edges
 
     def _state_bytes(self) -> int:
         return state_bytes(self.server.state_dict()) + sum(
@@ -207,34 +217,42 @@ class Rounds:
 
     def _hierarchical_round(self, rnd: int, selected: list[int]) -> tuple[dict, list]:
         fed = self.federation
-        k2 = fed.edge_rounds
-        by_edge = {k: [c for c in selected if fed.parent[c] == k] for k in range(fed.edges)}
+        k2, edges = fed.edge_rounds, range(fed.edges)
+        # synchronous: every edge k2 edge rounds; asynchronous: as many as its speed allows
+        plan = async_edge_rounds(self.edge_times, k2) if self.asynchronous else [k2] * fed.edges
+        active = [k for k in edges if plan[k] > 0]
+        selected = [c for c in selected if plan[fed.parent[c]] > 0]
+        by_edge = {k: [c for c in selected if fed.parent[c] == k] for k in edges}
         counting = self.flops.enabled and self.transport.counts_flops
         with self.flops.measure() as cloud_configure:
-            down_e = self.server.configure(rnd, list(range(fed.edges)))
-        _check_keys(down_e, list(range(fed.edges)), f"round {rnd}", "edges")
-        edge_flops = dict.fromkeys(range(fed.edges), 0)
-        bh_down = {k: down_e[k].nbytes for k in range(fed.edges)}
-        for k, edge in enumerate(self.edges):
+            down_e = self.server.configure(rnd, active)
+        _check_keys(down_e, active, f"round {rnd}", "edges")
+        edge_flops = dict.fromkeys(edges, 0)
+        bh_down = {k: down_e[k].nbytes for k in active}
+        for k in active:  # an edge still busy with its last period takes no new model
             with self.flops.measure() as f:
-                edge.receive(rnd, down_e[k].delivered())
+                self.edges[k].receive(rnd, down_e[k].delivered())
             edge_flops[k] += f.flops or 0
-        steps: dict[int, list[EdgeStep]] = {k: [] for k in range(fed.edges)}
+        steps: dict[int, list[EdgeStep]] = {k: [] for k in edges}
         losses: list = []
         client_down = client_up = 0
-        for s in range(1, k2 + 1):
+        for s in range(1, max(plan, default=0) + 1):
+            working = [k for k in active if plan[k] >= s]
+            clients = [c for k in working for c in by_edge[k]]
             down: dict[int, Message] = {}
-            step_flops = dict.fromkeys(range(fed.edges), 0)
-            for k, edge in enumerate(self.edges):
+            step_flops = dict.fromkeys(working, 0)
+            for k in working:
                 with self.flops.measure() as f:
-                    msgs = edge.configure(rnd, s, by_edge[k])
+                    msgs = self.edges[k].configure(rnd, s, by_edge[k])
                 step_flops[k] += f.flops or 0
                 _check_keys(msgs, by_edge[k], f"round {rnd}, edge {k}, edge round {s}", "clients")
                 down.update(msgs)
-            replies = self._train((rnd - 1) * k2 + s, {c: down[c] for c in selected}, losses)
-            for k, edge in enumerate(self.edges):
+            # the client step seeds the clients' work: the same in both schedules up to k2
+            step = (rnd - 1) * k2 + s if s <= k2 else ("async", rnd, s)
+            replies = self._train(step, {c: down[c] for c in sorted(clients)}, losses)
+            for k in working:
                 with self.flops.measure() as f:
-                    edge.aggregate(rnd, s, {c: replies[c].message for c in by_edge[k]})
+                    self.edges[k].aggregate(rnd, s, {c: replies[c].message for c in by_edge[k]})
                 step_flops[k] += f.flops or 0
                 sent_down = {c: down[c].nbytes for c in by_edge[k]}
                 sent_up = {c: replies[c].message.nbytes for c in by_edge[k]}
@@ -249,28 +267,35 @@ class Rounds:
                     step_flops[k] + (edge_flops.pop(k, 0) if s == 1 else 0) if counting else None))
         up_e: dict[int, Message] = {}
         bh_up = {}
-        for k, edge in enumerate(self.edges):
+        for k in edges:  # every edge reports what it holds; a busy one, its last model
             with self.flops.measure() as f:
-                report = edge.report(rnd)
-            if counting:
+                report = self.edges[k].report(rnd)
+            if counting and steps[k]:
                 steps[k][-1].flops_edge = (steps[k][-1].flops_edge or 0) + (f.flops or 0)
             bh_up[k] = report.nbytes
             up_e[k] = report.delivered()
         with self.flops.measure() as cloud_aggregate:
             self.server.aggregate(rnd, up_e)
-        for k in range(fed.edges):
-            self.edge_bytes_down[k] += bh_down[k]
+        for k in edges:
+            self.edge_bytes_down[k] += bh_down.get(k, 0)
             self.edge_bytes_up[k] += bh_up[k]
         costs = {}
         if self.system is not None:
             costs = self.system.hierarchical_costs(
-                steps, bh_down, bh_up,
+                {k: st for k, st in steps.items() if st}, bh_down, bh_up,
                 (cloud_configure.flops or 0) + (cloud_aggregate.flops or 0) if counting else None)
+            for k in active:  # each edge's speed: its mean edge-round time this period
+                times = [self.system.round_costs(st.selected, st.bytes_down, st.bytes_up,
+                                                 st.flops_client, 0)["t_round"] for st in steps[k]]
+                self.edge_times[k] = float(np.mean(times)) if times else self.edge_times[k]
         e_up, e_down = sum(bh_up.values()), sum(bh_down.values())
         row = {"round": rnd, "bytes_up": client_up + e_up, "bytes_down": client_down + e_down,
                "clients": len(selected), "bytes_up_client": client_up,
                "bytes_down_client": client_down, "bytes_up_edge": e_up, "bytes_down_edge": e_down,
                "_costs": costs}
+        if self.asynchronous:
+            row["edge_rounds_min"], row["edge_rounds_max"] = min(plan), max(plan)
+            row["edges_busy"] = fed.edges - len(active)
         return row, losses
 
     def eval_message(self, cid: int) -> Message | None:
@@ -397,6 +422,7 @@ class Rounds:
                     "edge_bytes_down": self.edge_bytes_down.tolist(),
                     "wall_time_s": self.wall_time, "server_state_bytes": self.server_state_bytes,
                     "client_best": [None if math.isnan(v) else v for v in self.client_best],
+                    "edge_times": self.edge_times,
                     "client_best_selected": [None if math.isnan(v) else v
                                              for v in self.client_best_selected],
                     "state": parts_meta}
@@ -409,6 +435,22 @@ class Rounds:
         self.server.load_state(under("server/"), meta.get("server", {}))
         for k, edge in enumerate(self.edges):
             edge.load_state(under(f"edge{k}/"), meta.get(f"edge{k}", {}))
+
+
+def async_edge_rounds(times: list[float | None], k2: int) -> list[int]:
+    """Edge rounds of each edge in the next cloud period of an asynchronous hierarchy.
+
+    The cloud period is k2 times the median edge's edge-round time; an edge runs as many
+    edge rounds as fit in it, to the nearest whole round (so edges of equal speed, or
+    within a factor 1 +- 1/(2 k2) of it, run k2, as the synchronous schedule does), and an
+    edge more than 2 k2 times slower than the median runs none: it is still busy, takes no
+    new model, and the cloud aggregates the model it holds, stale. Before any edge has been
+    timed (the first period) every edge runs k2."""
+    known = [t for t in times if t is not None and math.isfinite(t) and t > 0]
+    if len(known) < len(times):
+        return [k2] * len(times)
+    period = k2 * float(np.median(known))
+    return [int(math.floor(period / t + 0.5)) for t in known]
 
 
 def _max(a: float, b: float) -> float:

@@ -295,6 +295,8 @@ class Simulation:
         r.bytes_up, r.bytes_down, r.wall_time = bytes_up, bytes_down, wall_time
         r.edge_bytes_up, r.edge_bytes_down = edge_up, edge_down
         r.client_best, r.client_best_selected = best, best_sel
+        r.edge_times = [None if t is None else float(t)
+                        for t in meta.get("edge_times", [None] * self.federation.edges)]
         r.server_state_bytes = server_bytes
 
 

@@ -114,9 +114,15 @@ def load_state(obj: Any, names: tuple[str, ...], tensors: Mapping[str, torch.Ten
                 raise StateError(f"checkpoint state {name!r} does not fit: {exc}") from None
             staged[name] = store
             used.update(k for k in tensors if k.startswith(f"{name}/"))
-        elif _is_model(current):
+        elif _is_model(current) or (isinstance(current, Mapping) and not current
+                                    and name not in meta):
+            # a model, or an empty mapping that a model filled before it was saved
             prefix = f"{name}."
             saved = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if not current:
+                staged[name] = {k: v.clone() for k, v in saved.items()}
+                used.update(f"{prefix}{k}" for k in saved)
+                continue
             if set(saved) != set(current):
                 raise StateError(f"checkpoint state {name!r} has entries {sorted(saved)}; this "
                                  f"configuration's are {sorted(current)}")

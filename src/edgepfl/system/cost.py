@@ -1,7 +1,8 @@
 """Simulated seconds of a synchronous round from real byte counts and counted FLOPs.
 
 Per selected client k: download d_k = 8 * bytes_down_k / r_down_k, local compute
-c_k = flops_k / speed_k, upload u_k = 8 * bytes_up_k / r_up_k; server time
+c_k = flops_k / speed_k (under ``wen_table2``: c_k = epochs * cycles_per_bit * data_bits
+/ f_k, whatever the FLOPs), upload u_k = 8 * bytes_up_k / r_up_k; server time
 s = flops_server / server_speed. The round's figures (``round_timing``):
 
 * ``phase`` (default, KAPC Table 5): every phase is a barrier, so each lasts as long as
@@ -50,17 +51,39 @@ class EdgeStep:
 class SystemModel:
     """Per-client links and device speeds of one federation, fixed by (config, N, seed)."""
 
-    def __init__(self, cfg: SystemConfig, links: Links, devices: Devices):
+    def __init__(self, cfg: SystemConfig, links: Links, devices: Devices,
+                 epochs: int | None = None):
         self.cfg = cfg
         self.links = links
         self.devices = devices
         self.num_clients = len(devices.flops_per_s)
+        self.epochs = epochs
+        # wen_table2: each client's seconds of local training per (edge) round, fixed
+        self.compute_s: np.ndarray | None = None
+        if devices.cpu_hz is not None:
+            if epochs is None or epochs < 1:
+                raise ConfigError(
+                    f"system.profile = {cfg.profile!r} prices local training as local epochs x "
+                    "cycles_per_bit x data bits / CPU frequency and needs the number of local "
+                    f"epochs (got {epochs!r}): build it with SystemModel.build(cfg.system, n, "
+                    "cfg.seed, epochs=cfg.train.local_epochs)")
+            self.compute_s = epochs * cfg.cycles_per_bit * self.data_bits / devices.cpu_hz
 
     @classmethod
-    def build(cls, cfg: SystemConfig, num_clients: int, seed: int) -> SystemModel:
+    def build(cls, cfg: SystemConfig, num_clients: int, seed: int, *,
+              epochs: int | None = None) -> SystemModel:
+        """Draw every client's link and device. ``epochs`` (``train.local_epochs``) is
+        needed by ``wen_table2`` only, whose compute time counts local epochs; the FLOP
+        profiles ignore it, since counted FLOPs already include every epoch."""
         if num_clients < 1:
             raise ConfigError(f"the system model needs at least 1 client, got {num_clients}")
-        return cls(cfg, draw_links(cfg, num_clients, seed), draw_devices(cfg, num_clients, seed))
+        return cls(cfg, draw_links(cfg, num_clients, seed), draw_devices(cfg, num_clients, seed),
+                   epochs)
+
+    @property
+    def data_bits(self) -> float:
+        """wen_table2: bits of training data per client, D (``data_mb``, MB = 10^6 bytes)."""
+        return 8e6 * self.cfg.data_mb
 
     # -- per-client figures --------------------------------------------------------------
     @property
@@ -85,7 +108,8 @@ class SystemModel:
                      flops_client: Mapping[int, int] | None,
                      ) -> dict[int, tuple[float, float, float]]:
         """(download, compute, upload) seconds per selected client; compute is NaN when
-        FLOPs were not counted. A client absent from a byte mapping sent nothing."""
+        FLOPs were not counted, except under wen_table2, whose compute does not come from
+        FLOPs. A client absent from a byte mapping sent nothing."""
         for cid in selected:
             if not 0 <= cid < self.num_clients:
                 raise ValueError(f"client {cid} is outside the federation of {self.num_clients}")
@@ -95,8 +119,11 @@ class SystemModel:
         for cid in selected:
             d = transfer_time(int(bytes_down.get(cid, 0)), down_rates.get(cid, math.inf))
             u = transfer_time(int(bytes_up.get(cid, 0)), float(self.uplink_bps[cid]))
-            c = (math.nan if flops_client is None
-                 else int(flops_client.get(cid, 0)) / float(self.flops_per_s[cid]))
+            if self.compute_s is not None:
+                c = float(self.compute_s[cid])
+            else:
+                c = (math.nan if flops_client is None
+                     else int(flops_client.get(cid, 0)) / float(self.flops_per_s[cid]))
             out[cid] = (d, c, u)
         return out
 
@@ -190,7 +217,9 @@ class SystemModel:
                  "gain": "linear power gain", "up_interference": _unit(cfg),
                  "down_interference": _unit(cfg), "uplink_bps": "bit/s",
                  "downlink_bps": "bit/s with the whole server band (fdma rounds split it)",
-                 "flops_per_s": "FLOP/s"}
+                 "flops_per_s": "FLOP/s", "cpu_hz": "Hz",
+                 "compute_s": "s of local training per round: epochs x cycles_per_bit x "
+                              "data_bits / cpu_hz"}
         clients = []
         for cid in range(self.num_clients):
             row: dict = {"client": cid}
@@ -198,16 +227,24 @@ class SystemModel:
                 row[name] = float(values[cid])
             row["uplink_bps"] = float(self.uplink_bps[cid])
             row["downlink_bps"] = float(self.downlink_bps[cid])
-            row["flops_per_s"] = float(self.flops_per_s[cid])
+            if self.compute_s is not None:
+                row["cpu_hz"] = float(self.devices.cpu_hz[cid])
+                row["compute_s"] = float(self.compute_s[cid])
+            else:
+                row["flops_per_s"] = float(self.flops_per_s[cid])
             if self.devices.tier[cid] is not None:
                 row["tier"] = self.devices.tier[cid]
             clients.append(row)
         out = {
-            "profile": cfg.profile, "devices": cfg.devices, "round_timing": cfg.round_timing,
+            "profile": cfg.profile, "round_timing": cfg.round_timing,
+            "devices": "cpu_cycles" if self.compute_s is not None else cfg.devices,
             "server_flops_per_s": cfg.server_flops,
             "units": {k: v for k, v in units.items() if k in clients[0]},
             "clients": clients,
         }
+        if self.compute_s is not None:
+            out.update(epochs=self.epochs, cycles_per_bit=cfg.cycles_per_bit,
+                       data_bits=self.data_bits)
         if cfg.profile != "fixed_rate":
             out.update(downlink_sharing=cfg.downlink_sharing,
                        server_bandwidth_hz=self.links.server_bandwidth_hz,

@@ -1,4 +1,6 @@
-"""Per-client compute speed (FLOP/s): local training time = counted FLOPs / speed."""
+"""Per-client compute: a speed in FLOP/s (local training time = counted FLOPs / speed), or,
+under ``wen_table2``, a CPU frequency (local training time = epochs x cycles per bit x
+data bits / frequency, the usual wireless-FL computation model)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,19 @@ from edgepfl.system_config import SystemConfig
 
 @dataclass
 class Devices:
-    flops_per_s: np.ndarray  # [N] sustained training speed of each client
+    flops_per_s: np.ndarray  # [N] sustained training speed of each client (NaN: cycles model)
     tier: list[str | None]  # tier name per client (None without tiers)
+    cpu_hz: np.ndarray | None = None  # [N] CPU frequency f_k under wen_table2, else None
 
 
 def draw_devices(cfg: SystemConfig, num_clients: int, seed: int) -> Devices:
     """Seeded device speeds, from a stream of their own (changing the channel settings
     does not change the devices, and vice versa)."""
+    if cfg.profile == "wen_table2":
+        # the CPU frequency prices training; there is no FLOP/s figure
+        cpu = np.array([np.random.default_rng(derive_seed(seed, "system", "cpu", cid))
+                        .uniform(*cfg.cpu_ghz) * 1e9 for cid in range(num_clients)])
+        return Devices(np.full(num_clients, np.nan), [None] * num_clients, cpu)
     if cfg.devices == "tiers":
         # the federation's own assignment, so the tier that prices a client's compute is
         # the tier whose architecture it runs

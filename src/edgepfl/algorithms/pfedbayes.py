@@ -1,0 +1,369 @@
+"""pFedBayes (Zhang et al., "Personalized Federated Learning via Variational Bayesian
+Inference", ICML 2022): the flat (server + clients) Bayesian pFL method.
+
+Per weight coordinate, mean-field Gaussians with sigma = softplus(rho) = log(1 + exp(rho)):
+
+* the server holds the global distribution p_w(theta) = N(mu, sigma^2);
+* client i keeps its personalized distribution q_i(theta) = N(mu_i, sigma_i^2) between
+  rounds (it never leaves the client) and minimises the paper's objective, per sample:
+
+      Omega_i(q_i) = E_{q_i}[ mean NLL of its data ] + zeta / n_i * KL(q_i || p_w)
+
+  i.e. the whole data set's negative ELBO (the sum over its n_i samples plus zeta * KL)
+  divided by n_i. The data term is estimated on each mini-batch with ``train_mc``
+  reparameterized draws theta = mu_i + sigma_i * eps, eps ~ N(0, I);
+* after each personal step the client moves its *local copy* of the global distribution
+  (started from the downloaded p_w) towards q_i, one step on zeta / n_i * KL(q_i || p_w)
+  over (mu, rho) with its own learning rate (Algorithm 1), and uploads that copy;
+* the server mixes: (mu, rho) <- (1 - beta) (mu, rho) + beta * mean of the uploads
+  (beta = 1: the plain average of the selected clients').
+
+The reparameterization gradient is taken by the chain rule, not autograd: a draw is copied
+into the trainer's module skeleton, the stock forward/backward gives g = dL/dtheta, and
+dL/dmu_i = g, dL/drho_i = g * eps * sigmoid(rho_i). The KL terms have closed-form
+gradients (``kl_grads``). The KL is quadratic in the means, with precision
+zeta / (n_i sigma^2): with a small sigma it is far stiffer than the data term, so the mean
+part is stepped implicitly (its proximal map, as hierbayes' pull) unless ``pull =
+"explicit"`` asks for the paper's plain gradient step. docs/algorithms.md has the details.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Hyperparameters,
+    Server,
+    ServerContext,
+    State,
+    UpdateResult,
+)
+from edgepfl.algorithms.fedavg import num_samples
+from edgepfl.algorithms.training import ClientData
+from edgepfl.errors import ConfigError
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.rng import generator
+
+MU, RHO = "mu.", "rho."
+
+
+class PFedBayesHyperparameters(Hyperparameters):
+    zeta: float = Field(10.0, ge=0, description="weight of KL(q_i || global) against the data "
+                        "term (the paper's zeta; its experiments use 10)")
+    rho_init: float = Field(-5.0, ge=-30, le=5, description="initial rho of every coordinate, "
+                            "global and personal: sigma = softplus(rho) (-5: sigma = 0.0067)")
+    optimizer: Literal["adam", "sgd"] = Field(
+        "adam", description="how clients step their Gaussians: adam (the reference code's "
+        "torch Adam, moments reset every round) or plain sgd")
+    personal_lr: float = Field(1e-3, gt=0, description="learning rate of the personal q_i "
+                               "(the paper's eta = 0.001; train.lr is not used)")
+    global_lr: float = Field(1e-3, gt=0, description="learning rate of the client's local "
+                             "copy of the global distribution (the reference code's 0.001)")
+    personal_steps: int = Field(1, ge=1, description="steps on q_i per mini-batch before the "
+                                "global copy's step (reference code: 5, pFedMe's K)")
+    train_mc: int = Field(1, ge=1, description="reparameterized draws per step for the data "
+                          "term (the paper's K)")
+    beta: float = Field(1.0, gt=0, description="server mixing: (1 - beta) old + beta * mean of "
+                        "the uploads (1: plain averaging)")
+    weighting: Literal["uniform", "samples"] = Field(
+        "uniform", description="the uploads' mean: uniform over the selected clients (the "
+        "paper's 1/S) or weighted by sample count (the pFedMe-derived reference code)")
+    pull: Literal["implicit", "explicit"] = Field(
+        "implicit", description="with optimizer = sgd, how the KL's quadratic term in the "
+        "means is stepped: implicit (its proximal map, stable for any lr * zeta / (n sigma^2)) "
+        "or explicit (a plain gradient step)")
+    mc_samples: int = Field(4, ge=1, description="Monte Carlo draws of each predictive "
+                            "(personal and global) at evaluation")
+
+
+# -- the closed-form pieces (elementwise on flat tensors) ---------------------------------
+def softplus(rho: torch.Tensor) -> torch.Tensor:
+    """sigma = log(1 + exp(rho)), as the paper parameterizes the standard deviations."""
+    return F.softplus(rho)
+
+
+def kl(mu_q: torch.Tensor, rho_q: torch.Tensor, mu_p: torch.Tensor,
+       rho_p: torch.Tensor) -> torch.Tensor:
+    """KL(N(mu_q, sigma_q^2) || N(mu_p, sigma_p^2)) per coordinate (sigma = softplus(rho))."""
+    s_q, s_p = softplus(rho_q), softplus(rho_p)
+    return torch.log(s_p / s_q) + (s_q ** 2 + (mu_q - mu_p) ** 2) / (2 * s_p ** 2) - 0.5
+
+
+def kl_grads(mu_q: torch.Tensor, rho_q: torch.Tensor, mu_p: torch.Tensor, rho_p: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``kl`` with respect to (mu_q, rho_q, mu_p, rho_p)."""
+    s_q, s_p = softplus(rho_q), softplus(rho_p)
+    prec = 1.0 / s_p ** 2
+    d = mu_q - mu_p
+    g_mu_q = prec * d
+    g_rho_q = (s_q * prec - 1.0 / s_q) * torch.sigmoid(rho_q)
+    g_rho_p = (1.0 / s_p - (s_q ** 2 + d ** 2) * prec / s_p) * torch.sigmoid(rho_p)
+    return g_mu_q, g_rho_q, -g_mu_q, g_rho_p
+
+
+def personal_grads(mu: torch.Tensor, rho: torch.Tensor, g_mu: torch.Tensor, g_rho: torch.Tensor,
+                   prior_mu: torch.Tensor, prior_rho: torch.Tensor,
+                   coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients over q_i = N(mu, softplus(rho)^2) of  data + coef * KL(q_i || prior), given
+    the data term's (g_mu, g_rho)."""
+    k_mu, k_rho, _, _ = kl_grads(mu, rho, prior_mu, prior_rho)
+    return g_mu + coef * k_mu, g_rho + coef * k_rho
+
+
+def global_grads(mu: torch.Tensor, rho: torch.Tensor, q_mu: torch.Tensor, q_rho: torch.Tensor,
+                 coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients over the global copy N(mu, softplus(rho)^2) of  coef * KL(q || it)."""
+    _, _, k_mu, k_rho = kl_grads(q_mu, q_rho, mu, rho)
+    return coef * k_mu, coef * k_rho
+
+
+class SGD:
+    """x <- x - lr g; with ``prec`` (the precision of a quadratic term inside g) the step is
+    scaled by 1 / (1 + lr prec), which makes it the quadratic's implicit (proximal) step:
+    (x - lr g_rest + lr prec anchor) / (1 + lr prec) for g = g_rest + prec (x - anchor)."""
+
+    def __init__(self, lr: float):
+        self.lr = lr
+
+    def step(self, x: torch.Tensor, g: torch.Tensor,
+             prec: torch.Tensor | None = None) -> torch.Tensor:
+        if prec is not None:
+            g = g / (1 + self.lr * prec)
+        return x - self.lr * g
+
+
+class Adam:
+    """torch.optim.Adam's update (no weight decay) on one flat tensor; a fresh one per round."""
+
+    def __init__(self, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        self.lr, self.betas, self.eps = lr, betas, eps
+        self.m: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.t = 0
+
+    def step(self, x: torch.Tensor, g: torch.Tensor,
+             prec: torch.Tensor | None = None) -> torch.Tensor:
+        b1, b2 = self.betas
+        if self.m is None or self.v is None:
+            self.m, self.v = torch.zeros_like(x), torch.zeros_like(x)
+        self.t += 1
+        self.m = self.m * b1 + g * (1 - b1)
+        self.v = self.v * b2 + g * g * (1 - b2)
+        denom = self.v.sqrt() / (1 - b2 ** self.t) ** 0.5 + self.eps
+        return x - self.lr / (1 - b1 ** self.t) * self.m / denom
+
+
+# -- flat <-> per-parameter -----------------------------------------------------------------
+def _flat(model: State, names: list[str]) -> torch.Tensor:
+    return torch.cat([model[n].reshape(-1) for n in names])
+
+
+def _unflat(flat: torch.Tensor, like: State, names: list[str], prefix: str = "") -> State:
+    out, i = {}, 0
+    for n in names:
+        t = like[n]
+        out[prefix + n] = flat[i:i + t.numel()].reshape(t.shape).clone()
+        i += t.numel()
+    return out
+
+
+def _split(tensors: State, prefix: str) -> State:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def _check_buffers(buffers, where: str) -> None:
+    if buffers:
+        raise ConfigError(f"pfedbayes puts a Gaussian on every weight; model buffers "
+                          f"{list(buffers)} (BatchNorm) have no place in it: choose a model "
+                          f"without BatchNorm ({where})")
+
+
+# -- the two parts ---------------------------------------------------------------------------
+class PFedBayesServer(Server):
+    state = ("mu", "rho", "round")
+
+    def __init__(self, ctx: ServerContext, hp: PFedBayesHyperparameters):
+        super().__init__(ctx, hp)
+        _check_buffers(ctx.layers.buffers, "server")
+        if ctx.train.momentum:
+            raise ConfigError("pfedbayes steps its Gaussians with plain SGD; train.momentum "
+                              f"= {ctx.train.momentum} is not supported (set it to 0)")
+        self.mu: State = {k: v.clone() for k, v in ctx.init_model.items()}
+        self.rho: State = {k: torch.full_like(v, hp.rho_init) for k, v in ctx.init_model.items()}
+        self.round = 0
+
+    def _message(self, meta: dict | None = None) -> Message:
+        return Message({**{MU + k: v for k, v in self.mu.items()},
+                        **{RHO + k: v for k, v in self.rho.items()}}, meta or {})
+
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
+        msg = self._message()
+        return {cid: msg for cid in selected}
+
+    def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
+        self.round = rnd
+        if not replies:
+            return
+        weights = []
+        for cid, reply in replies.items():
+            n = num_samples(cid, reply)
+            for part, prefix in ((self.mu, MU), (self.rho, RHO)):
+                got = _split(reply.tensors, prefix)
+                if set(got) != set(part) or any(got[k].shape != v.shape for k, v in part.items()):
+                    raise MessageError(f"client {cid}'s reply needs {prefix}<param> for exactly "
+                                       f"the model's parameters {sorted(part)}")
+            weights.append(float(n) if self.hp.weighting == "samples" else 1.0)
+        total = sum(weights)
+        if total == 0:
+            return
+        beta = self.hp.beta
+        for part, prefix in ((self.mu, MU), (self.rho, RHO)):
+            for k, old in part.items():
+                mean = sum(w / total * r.tensors[prefix + k] for w, r in zip(weights, replies.values(),
+                                                                            strict=True))
+                part[k] = mean if beta == 1 else (1 - beta) * old + beta * mean
+
+    def eval_message(self, cid: int) -> Message | None:
+        return self._message({"round": self.round})
+
+    def round_metrics(self) -> dict[str, float]:
+        sigma = torch.cat([softplus(r).reshape(-1) for r in self.rho.values()])
+        return {"global_std": float(sigma.mean())}
+
+
+class PFedBayesClient(Client):
+    def __init__(self, ctx: ClientContext, hp: PFedBayesHyperparameters):
+        super().__init__(ctx, hp)
+        _check_buffers(ctx.trainer.buffers, "client")
+        self.names = list(ctx.trainer.param_names)
+        self.shapes = [ctx.trainer.params[n].shape for n in self.names]
+
+    def init_state(self, cid: int, init_model: State) -> State:
+        return {**{MU + k: v.clone() for k, v in init_model.items()},
+                **{RHO + k: torch.full_like(v, self.hp.rho_init) for k, v in init_model.items()}}
+
+    def _distribution(self, tensors: State, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, rho = _split(tensors, MU), _split(tensors, RHO)
+        if set(mu) != set(self.names) or set(rho) != set(self.names):
+            raise MessageError(f"pfedbayes {what} needs {MU}<param> and {RHO}<param> for "
+                               f"exactly the model's parameters {self.names}")
+        return _flat(mu, self.names), _flat(rho, self.names)
+
+    def _load_draw(self, theta: torch.Tensor) -> None:
+        """A flat weight vector into the trainer's skeleton."""
+        params = self.trainer.params
+        with torch.no_grad():
+            i = 0
+            for n, shape in zip(self.names, self.shapes, strict=True):
+                p = params[n]
+                p.copy_(theta[i:i + p.numel()].view(shape))
+                i += p.numel()
+
+    def _data_grads(self, mu: torch.Tensor, rho: torch.Tensor, xb: torch.Tensor,
+                    yb: torch.Tensor, noise: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The mini-batch's mean NLL under ``train_mc`` draws theta = mu + sigma * eps and its
+        gradients with respect to (mu, rho), by the reparameterization's chain rule."""
+        trainer, k = self.trainer, self.hp.train_mc
+        params = [trainer.params[n] for n in self.names]
+        sigma, dsigma = softplus(rho), torch.sigmoid(rho)
+        g_mu, g_rho, loss_sum = torch.zeros_like(mu), torch.zeros_like(rho), 0.0
+        for _ in range(k):
+            eps = torch.randn(mu.shape, generator=noise, dtype=mu.dtype)
+            self._load_draw(mu + sigma * eps)
+            for p in params:
+                p.grad = None
+            loss = F.cross_entropy(trainer.model(xb), yb)
+            loss.backward()
+            g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                           for p in params])
+            g_mu += g
+            g_rho += g * eps
+            loss_sum += float(loss.detach())
+        for p in params:
+            p.grad = None
+        g_mu /= k
+        g_rho *= dsigma / k
+        return g_mu, g_rho, loss_sum / k
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        hp, t = self.hp, self.ctx.train
+        mu_g, rho_g = self._distribution(msg.tensors, "message")
+        mu_i, rho_i = self._distribution(state, "client state")
+        coef = hp.zeta / max(data.n, 1)
+        opt = {name: (Adam(lr) if hp.optimizer == "adam" else SGD(lr))
+               for name, lr in (("mu_i", hp.personal_lr), ("rho_i", hp.personal_lr),
+                                ("mu_g", hp.global_lr), ("rho_g", hp.global_lr))}
+        implicit = hp.optimizer == "sgd" and hp.pull == "implicit"
+        # the draws come from their own stream, seeded from the client's generator without
+        # consuming it: the mini-batch order is then exactly that of local training
+        noise = generator(gen.initial_seed(), "pfedbayes-noise")
+        self.trainer.forget()
+        self.trainer.model.train()
+        loss_sum, seen, steps = 0.0, 0, 0
+        for _ in range(t.local_epochs):
+            for xb, yb in data.batches(t.batch_size, gen):
+                xb = self.trainer.layout(xb)
+                for _ in range(hp.personal_steps):
+                    g_mu, g_rho, loss = self._data_grads(mu_i, rho_i, xb, yb, noise)
+                    if t.weight_decay:
+                        g_mu = g_mu + t.weight_decay * mu_i
+                    g_mu, g_rho = personal_grads(mu_i, rho_i, g_mu, g_rho, mu_g, rho_g, coef)
+                    prec = coef / softplus(rho_g) ** 2 if implicit else None
+                    mu_i = opt["mu_i"].step(mu_i, g_mu, prec)
+                    rho_i = opt["rho_i"].step(rho_i, g_rho)
+                    steps += 1
+                g_mu, g_rho = global_grads(mu_g, rho_g, mu_i, rho_i, coef)
+                prec = coef / softplus(rho_g) ** 2 if implicit else None
+                mu_g = opt["mu_g"].step(mu_g, g_mu, prec)
+                rho_g = opt["rho_g"].step(rho_g, g_rho)
+                loss_sum += loss * yb.numel()  # the data term at the batch's last personal step
+                seen += yb.numel()
+        self.trainer.forget()
+        like = {n: self.trainer.params[n] for n in self.names}
+        state = {**_unflat(mu_i, like, self.names, MU), **_unflat(rho_i, like, self.names, RHO)}
+        reply = Message({**_unflat(mu_g, like, self.names, MU),
+                         **_unflat(rho_g, like, self.names, RHO)}, {"num_samples": data.n})
+        stats = {"train_loss": loss_sum / max(seen, 1), "steps": float(steps),
+                 "samples": float(seen)}
+        return UpdateResult(reply, state, stats)
+
+    def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        """The personal distribution's mean."""
+        return {k: state[MU + k] for k in self.names}
+
+    def predictive(self, cid: int, state: State, eval_msg: Message | None,
+                   data: ClientData) -> dict[str, list[State]]:
+        rnd = eval_msg.meta.get("round", 0) if eval_msg is not None else 0
+        mu_i, rho_i = self._distribution(state, "client state")
+        out = {"": self._draws(mu_i, rho_i, generator(self.ctx.seed, "mc", rnd))}
+        if eval_msg is not None:
+            mu, rho = self._distribution(eval_msg.tensors, "evaluation message")
+            # one global predictive for every client: the same draws everywhere
+            out["global"] = self._draws(mu, rho, generator(self.ctx.seed, "mc-global", rnd))
+        return out
+
+    def _draws(self, mu: torch.Tensor, rho: torch.Tensor, gen: torch.Generator) -> list[State]:
+        like = {n: self.trainer.params[n] for n in self.names}
+        sigma = softplus(rho)
+        return [_unflat(mu + sigma * torch.randn(mu.shape, generator=gen, dtype=mu.dtype),
+                        like, self.names) for _ in range(self.hp.mc_samples)]
+
+
+ALGORITHM = Algorithm(
+    name="pfedbayes",
+    summary="pFedBayes: personal Gaussian posteriors under a global Gaussian prior, "
+            "zeta-weighted KL, reparameterized training, MC prediction (flat star)",
+    hyperparameters=PFedBayesHyperparameters,
+    server=PFedBayesServer,
+    client=PFedBayesClient,
+    paper="Zhang et al., Personalized Federated Learning via Variational Bayesian Inference, "
+          "ICML 2022",
+)
