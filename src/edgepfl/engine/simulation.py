@@ -161,7 +161,7 @@ class Simulation:
         self.train_data = [train for train, _ in splits]
         self.test_data = [test for _, test in splits]
         self.test_sizes = np.array([y.numel() for _, y in self.test_data])
-        self.system = SystemModel.build(cfg.system, n, cfg.seed)
+        self.system = SystemModel.build(cfg.system, n, cfg.seed, epochs=cfg.train.local_epochs)
         self.flops = FlopMeter(enabled=cfg.system.count_flops, cache=cfg.system.cache_flops)
         self.transport = InProcess(parts, self.train_data, self.test_data, self.flops)
         self.rounds = Rounds(parts, self.transport, self.system, self.flops)
