@@ -134,6 +134,8 @@ def test_hyperparameters_are_typed_and_unknown_ones_rejected():
 def test_every_algorithm_learns_above_chance_on_synthetic_data():
     for name, algo in ALGORITHMS.items():
         edges = ["topology.edges=2"] if algo.edge is not None else []
+        if name == "dcpfl":  # its tau counts local epochs: a multiple of the 2 here
+            edges.append("algorithm.tau=4")
         _, result = _metrics(fast_config(f"algorithm.name={name}", "train.rounds=4",
                                          "train.local_epochs=2", *edges))
         assert result.summary["acc_mean_best"] > 0.3, name
