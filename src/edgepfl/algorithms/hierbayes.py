@@ -178,8 +178,27 @@ def _unflat(flat: torch.Tensor, like: State, names: list[str]) -> State:
     return out
 
 
+def _prior(init: State, names: list[str], hp: HierBayesHyperparameters,
+           ) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+    """A level's posterior before any data: mean at the initial model, variance prior_var,
+    and the inverse-gamma prior IG(a_p, b_p) of its children's variance."""
+    m = _flat(init, names)
+    return (m, torch.full_like(m, hp.prior_var), hp.prior_strength,
+            torch.full_like(m, hp.prior_strength * hp.prior_var))
+
+
 # -- the three parts -------------------------------------------------------------------------
-class HierBayesCloud(Server):
+class _Flat:
+    """A level's per-coordinate vectors as named tensors of the model's shapes."""
+
+    ctx: ServerContext
+    names: list[str]
+
+    def _model(self, flat: torch.Tensor, prefix: str) -> State:
+        return {prefix + k: v for k, v in _unflat(flat, self.ctx.init_model, self.names).items()}
+
+
+class HierBayesCloud(_Flat, Server):
     state = ("m0", "v0", "a_e", "b_e", "var_c", "round")
 
     def __init__(self, ctx: ServerContext, hp: HierBayesHyperparameters):
@@ -189,16 +208,10 @@ class HierBayesCloud(Server):
                               f"{list(ctx.layers.buffers)} (BatchNorm) have no place in it: "
                               "choose a model without BatchNorm")
         self.names = list(ctx.init_model)
-        d = sum(t.numel() for t in ctx.init_model.values())
-        self.m0 = _flat(ctx.init_model, self.names)
-        self.v0 = torch.full((d,), hp.prior_var, dtype=torch.float64)
-        self.a_e = hp.prior_strength
-        self.b_e = torch.full((d,), hp.prior_strength * hp.prior_var, dtype=torch.float64)
-        self.var_c = torch.full((d,), hp.prior_var, dtype=torch.float64)
+        self.m0, self.v0, self.a_e, self.b_e = _prior(ctx.init_model, self.names, hp)
+        self.var_c = self.v0.clone()
         self.round = 0
 
-    def _model(self, flat: torch.Tensor, prefix: str) -> State:
-        return {prefix + k: v for k, v in _unflat(flat, self.ctx.init_model, self.names).items()}
 
     def configure(self, rnd: int, edges: list[int]) -> dict[int, Message]:
         msg = Message({**self._model(self.m0, PSI), **self._model(self.a_e / self.b_e, PREC)})
@@ -242,22 +255,16 @@ class HierBayesCloud(Server):
                 "client_std": float(self.var_c.sqrt().mean())}
 
 
-class HierBayesEdge(Edge):
+class HierBayesEdge(_Flat, Edge):
     state = ("m", "v", "a", "b", "refreshed")
 
     def __init__(self, ctx: EdgeContext, hp: HierBayesHyperparameters):
         super().__init__(ctx, hp)
         self.names = list(ctx.init_model)
-        d = sum(t.numel() for t in ctx.init_model.values())
-        self.m = _flat(ctx.init_model, self.names)
-        self.v = torch.full((d,), hp.prior_var, dtype=torch.float64)
-        self.a = hp.prior_strength
-        self.b = torch.full((d,), hp.prior_strength * hp.prior_var, dtype=torch.float64)
+        self.m, self.v, self.a, self.b = _prior(ctx.init_model, self.names, hp)
         self.m0, self.lam_e = self.m.clone(), 1.0 / self.v
         self.refreshed = 0  # the cloud round of its last aggregation of its clients
 
-    def _model(self, flat: torch.Tensor, prefix: str = "") -> State:
-        return {prefix + k: v for k, v in _unflat(flat, self.ctx.init_model, self.names).items()}
 
     def receive(self, rnd: int, msg: Message) -> None:
         self.m0, self.lam_e = (_flat(_split(msg, p), self.names) for p in (PSI, PREC))
