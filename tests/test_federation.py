@@ -336,3 +336,17 @@ def test_an_asynchronous_run_resumes_exactly(tmp_path):
     resumed, straight = resumed_and_straight(tmp_path, *HIER, "topology.edges=2",
                                              "topology.mode=async", "topology.edge_rounds=2")
     assert without_wall(resumed.metrics) == without_wall(straight.metrics)
+
+
+def test_report_shows_the_backhaul_of_a_hierarchical_run(tmp_path):
+    from edgepfl.engine.simulation import start_run
+    from edgepfl.report.tables import report_table
+
+    start_run(fast_config(*HIER, "topology.edges=2", "train.rounds=1"), tmp_path / "h",
+              progress=False)
+    start_run(fast_config("algorithm.name=fedavg", "train.rounds=1"), tmp_path / "s",
+              progress=False)
+    text = report_table([tmp_path / "h", tmp_path / "s"])
+    assert "| backhaul | edge |" in text and "edge-cloud U (MB)" in text
+    star_only = report_table([tmp_path / "s"])
+    assert "backhaul" not in star_only

@@ -114,6 +114,8 @@ def report_table(run_dirs: list[Path]) -> str:
     """Markdown: time per round split as in KAPC Table 5, bytes and FLOPs per round as in
     Table 6, then accuracy, run totals and memory."""
     runs = load_runs(run_dirs)
+    # a hierarchy's columns (backhaul time, edge work, edge <-> cloud bytes), when any run has one
+    tiered = any(run.summary.get("edges") for run in runs)
 
     def per_round(run: RunRecord, col: str) -> float:
         return run.per_round(col, TOTAL_KEYS[col])
@@ -124,25 +126,31 @@ def report_table(run_dirs: list[Path]) -> str:
              "percentages are shares of the round time. MB = 10^6 bytes; GFLOPs = 10^9 FLOPs "
              "counted by torch FlopCounterMode (matrix products and convolutions).", "",
              "## Time per round (s)", "",
-             _row(["run", "algorithm", "time", "U-comm", "D-comm", "client", "server"]),
-             _row(["---"] * 7)]
+             _row(["run", "algorithm", "time", "U-comm", "D-comm", "client", "server"]
+                  + (["backhaul", "edge"] if tiered else [])),
+             _row(["---"] * (9 if tiered else 7))]
     for run in runs:
         t = per_round(run, "t_round")
         lines.append(_row([run.label, str(run.summary.get("algorithm", NA)), _fmt(t),
                            _share(per_round(run, "t_up"), t), _share(per_round(run, "t_down"), t),
                            _share(per_round(run, "t_compute"), t),
-                           _share(per_round(run, "t_server"), t)]))
+                           _share(per_round(run, "t_server"), t)]
+                          + ([_share(per_round(run, "t_backhaul"), t),
+                              _share(per_round(run, "t_edge"), t)] if tiered else [])))
     lines += ["", "## Communication and computation per round", "",
               _row(["run", "algorithm", "U-comm (MB)", "D-comm (MB)", "C-comp (GFLOPs)",
-                    "S-comp (GFLOPs)"]),
-              _row(["---"] * 6)]
+                    "S-comp (GFLOPs)"] + (["edge-cloud U (MB)", "edge-cloud D (MB)"] if tiered else [])),
+              _row(["---"] * (8 if tiered else 6))]
     for run in runs:
         lines.append(_row([
             run.label, str(run.summary.get("algorithm", NA)),
             _fmt(run.per_round("bytes_up", "bytes_up_total") / 1e6),
             _fmt(run.per_round("bytes_down", "bytes_down_total") / 1e6),
             _fmt(per_round(run, "flops_client") / 1e9),
-            _fmt(per_round(run, "flops_server") / 1e9, 4)]))
+            _fmt(per_round(run, "flops_server") / 1e9, 4)]
+            + ([_fmt(run.per_round("bytes_up_edge", "bytes_up_edge_total") / 1e6),
+                _fmt(run.per_round("bytes_down_edge", "bytes_down_edge_total") / 1e6)]
+               if tiered else [])))
     lines += ["", "## Accuracy, totals and memory", "",
               _row(["run", "algorithm", "dataset", "rounds", "best mean acc (%)",
                     "final mean acc (%)", "final std across clients (%)",
