@@ -7,7 +7,8 @@ Several roots are merged by grid folder name (bench/grid_runs.py): runs kept fro
 sessions (bench/keep_results.py) and new ones are collected together.
 
 One row per (folder, run name): best and final mean accuracy (mean ± std over the seeds found),
-final std and worst client, MB up/down, BLS layer counts where recorded, and the paper's
+final std and worst client, each client's own best round averaged (the paper's protocol for
+Local and FedAvg; runs kept before it was recorded show '-'), MB up/down, BLS layer counts where recorded, and the paper's
 Table 1 value for the same data set and alpha where it has one.
 """
 
@@ -53,10 +54,18 @@ def column_mean(rows: list[dict], col: str) -> str:
     return f"{mean(vals):.2f}" if vals else "-"
 
 
+def client_best(sums: list[dict]) -> str:
+    """KAPC's protocol for Local and FedAvg: each client's own best round, averaged ('-' for
+    runs kept from before summaries recorded it)."""
+    values = [s["acc_client_best_mean"] for s in sums if s.get("acc_client_best_mean") is not None]
+    return pm(values) if len(values) == len(sums) else "-"
+
+
 def main(roots: list[Path]) -> None:
     print("| runs | algorithm | seeds | rounds | best mean acc | final mean acc | final std | "
-          "final worst | MB up | MB down | layers up / down | paper (best) | ours - paper |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "final worst | each client's best | MB up | MB down | layers up / down | paper (best) "
+          "| ours - paper |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, runs in finished_runs(roots).items():
         for label, dirs in runs.items():
             sums = [json.loads((d / "summary.json").read_text()) for d in dirs]
@@ -82,6 +91,7 @@ def main(roots: list[Path]) -> None:
                   f"{pm([s['acc_mean_final'] for s in sums])} | "
                   f"{100 * mean([s['acc_std_final'] for s in sums]):.2f} | "
                   f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | "
+                  f"{client_best(sums)} | "
                   f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | "
                   f"{mean([s['bytes_down_total'] for s in sums]) / 1e6:.1f} | {layers} | "
                   f"{'' if paper is None else f'{paper:.2f}'} | "
