@@ -134,8 +134,8 @@ class Stateful:
     state: ClassVar[tuple[str, ...]] = ()
 
     def state_dict(self) -> State:
-        """The state's tensors (what the server's state bytes measure)."""
-        return save_state(self, self.state)[0]
+        """The state's tensors (what the server's state bytes measure, every round)."""
+        return save_state(self, self.state, tensors_only=True)[0]
 
     def save_state(self) -> tuple[State, dict[str, Any]]:
         return save_state(self, self.state)

@@ -139,7 +139,7 @@ class Parts:
         return ServerContext(self.federation.num_clients, self.layers, self.init_model, cfg.train,
                              cfg.seed, self.federation, self.architectures)
 
-    def server(self, num_clients: int | None = None) -> Server:
+    def server(self) -> Server:
         return self.algorithm.server(self._server_ctx(), self.hp)
 
     def edge(self, k: int) -> Edge:

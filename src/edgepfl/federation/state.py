@@ -69,8 +69,10 @@ def _from_json(value: Any, like: Any) -> Any:
     return value
 
 
-def save_state(obj: Any, names: tuple[str, ...]) -> tuple[State, dict[str, Any]]:
-    """The declared attributes ``names`` of ``obj`` as (tensors, JSON values)."""
+def save_state(obj: Any, names: tuple[str, ...],
+               tensors_only: bool = False) -> tuple[State, dict[str, Any]]:
+    """The declared attributes ``names`` of ``obj`` as (tensors, JSON values);
+    ``tensors_only`` skips encoding the JSON values (for measuring state bytes)."""
     tensors: State = {}
     meta: dict[str, Any] = {}
     for name in names:
@@ -81,7 +83,7 @@ def save_state(obj: Any, names: tuple[str, ...]) -> tuple[State, dict[str, Any]]
             tensors.update(value.state_dict(f"{name}/"))
         elif _is_model(value):
             tensors.update({f"{name}.{k}": v for k, v in value.items()})
-        else:
+        elif not tensors_only:
             meta[name] = _json(value, f"{type(obj).__name__}.{name}")
     return tensors, meta
 
