@@ -222,6 +222,7 @@ class Rounds:
         plan = async_edge_rounds(self.edge_times, k2) if self.asynchronous else [k2] * fed.edges
         active = [k for k in edges if plan[k] > 0]
         selected = [c for c in selected if plan[fed.parent[c]] > 0]
+        self._selected = selected  # a busy edge's clients do not take part this period
         by_edge = {k: [c for c in selected if fed.parent[c] == k] for k in edges}
         counting = self.flops.enabled and self.transport.counts_flops
         with self.flops.measure() as cloud_configure:
@@ -284,7 +285,8 @@ class Rounds:
             costs = self.system.hierarchical_costs(
                 {k: st for k, st in steps.items() if st}, bh_down, bh_up,
                 (cloud_configure.flops or 0) + (cloud_aggregate.flops or 0) if counting else None)
-            for k in active:  # each edge's speed: its mean edge-round time this period
+            # each edge's speed, its mean edge-round time this period: the async plan's input
+            for k in (active if self.asynchronous else ()):
                 times = [self.system.round_costs(st.selected, st.bytes_down, st.bytes_up,
                                                  st.flops_client, 0)["t_round"] for st in steps[k]]
                 self.edge_times[k] = float(np.mean(times)) if times else self.edge_times[k]
