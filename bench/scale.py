@@ -3,10 +3,19 @@ of N clients, each configuration in a fresh process (peak memory is per process)
 
     python bench/scale.py [--clients 100 1000 10000] [--algorithms fedavg kapc dcpfl]
                           [--rounds 3] [--participation 0.1] [--dataset mnist]
+                          [--modes seq] [--workers auto] [--set key=value ...]
+
+``--modes`` says how the clients of a round run, each a fresh process: ``seq1`` one after
+another on one thread (the default, as the memory figures were taken), ``seq`` one after
+another with PyTorch's default threads (every core), ``par`` in ``--workers`` worker
+processes of one thread each (``train.workers``), ``cuda`` on the GPU (``train.device``).
+Rounds are timed against the first mode listed, in the same run.
 
 One JSON line per run and a markdown table at the end; record results in bench/README.md.
 Evaluation runs once, after the timed rounds (every client's test split: it scales with N
-too, and is reported on its own).
+too, and is reported on its own). Peak memory is the main process's; with workers, the
+largest worker's peak is reported beside it (forked workers share the data set's pages,
+so their peaks are not additive).
 """
 
 from __future__ import annotations
@@ -19,9 +28,10 @@ import tempfile
 import textwrap
 
 CHILD = textwrap.dedent("""
-    import json, sys, time
+    import json, resource, sys, time
     import torch
-    torch.set_num_threads(1)
+    if sys.argv[3] == "1":
+        torch.set_num_threads(1)
     from pathlib import Path
     from edgepfl.config import build_config
     from edgepfl.engine.simulation import Simulation
@@ -39,25 +49,42 @@ CHILD = textwrap.dedent("""
         sim.step()
         rounds.append(time.perf_counter() - t)
     t = time.perf_counter(); sim.save_checkpoint(); checkpoint = time.perf_counter() - t
+    sim.transport.close()
     size = (out / "checkpoint.safetensors").stat().st_size
     print(json.dumps({"setup_s": setup, "round_s": rounds, "checkpoint_s": checkpoint,
                       "checkpoint_mb": size / 1e6, "peak_rss_mb": peak_rss_bytes() / 1e6,
-                      "rss_after_setup_mb": rss_setup / 1e6}))
+                      "rss_after_setup_mb": rss_setup / 1e6,
+                      "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e3,
+                      "threads": torch.get_num_threads(), "device": str(sim.trainer.device)}))
 """)
 
 
-def run(algorithm: str, clients: int, args) -> dict:
-    overrides = [f"algorithm.name={algorithm}", f"dataset.name={args.dataset}",
+MODES = {"seq1": (["train.device=cpu", "train.workers=1"], "1"),
+         "seq": (["train.device=cpu", "train.workers=1"], "all"),
+         "par": (["train.device=cpu"], "1"),
+         "cuda": (["train.device=cuda", "train.workers=1"], "all")}
+
+
+def run(algorithm: str, clients: int, mode: str, args) -> dict:
+    sets, threads = MODES[mode]
+    if mode == "par":
+        sets = [*sets, f"train.workers={args.workers}"]
+    overrides = [*sets, f"algorithm.name={algorithm}", f"dataset.name={args.dataset}",
                  f"partition.clients={clients}", "partition.scheme=iid",
                  f"train.participation={args.participation}", "train.local_epochs=1",
                  f"train.rounds={args.rounds}", f"eval.every={args.rounds + 1}",
-                 "output.plots=true"]
+                 "output.plots=true", *args.sets]
     with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(overrides), out],
+        proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(overrides), out, threads],
                               capture_output=True, text=True)
+    head = {"algorithm": algorithm, "clients": clients, "mode": mode}
     if proc.returncode:
-        return {"algorithm": algorithm, "clients": clients, "error": proc.stderr.strip()[-400:]}
-    return {"algorithm": algorithm, "clients": clients, **json.loads(proc.stdout.splitlines()[-1])}
+        return {**head, "error": proc.stderr.strip()[-400:]}
+    return {**head, **json.loads(proc.stdout.splitlines()[-1])}
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def main() -> None:
@@ -67,22 +94,35 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--participation", type=float, default=0.1)
     p.add_argument("--dataset", default="mnist")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=["seq1"])
+    p.add_argument("--workers", default="auto", help="train.workers for mode par")
+    p.add_argument("--set", nargs="*", default=[], dest="sets",
+                   help="further key=value settings for every run")
     args = p.parse_args()
     rows = []
     for algorithm in args.algorithms:
         for n in args.clients:
-            row = run(algorithm, n, args)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    print("\n| algorithm | clients | set-up s | s per round (median) | checkpoint s | checkpoint MB "
-          "| peak RSS MB |\n|---|---|---|---|---|---|---|")
+            for mode in args.modes:
+                row = run(algorithm, n, mode, args)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    base = {(r["algorithm"], r["clients"]): median(r["round_s"]) for r in rows
+            if r["mode"] == args.modes[0] and "error" not in r}
+    print(f"\n| algorithm | clients | mode | set-up s | s per round (median) | speed-up vs "
+          f"{args.modes[0]} | checkpoint s | checkpoint MB | peak RSS MB (largest worker) |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['algorithm']} | {r['clients']} | error: {r['error'][-80:]} | | | | |")
+            print(f"| {r['algorithm']} | {r['clients']} | {r['mode']} | error: "
+                  f"{r['error'][-80:]} | | | | | |")
             continue
-        med = sorted(r["round_s"])[len(r["round_s"]) // 2]
-        print(f"| {r['algorithm']} | {r['clients']} | {r['setup_s']:.1f} | {med:.2f} | "
-              f"{r['checkpoint_s']:.2f} | {r['checkpoint_mb']:.0f} | {r['peak_rss_mb']:.0f} |")
+        med = median(r["round_s"])
+        ref = base.get((r["algorithm"], r["clients"]))
+        ratio = f"{ref / med:.2f}x" if ref else "-"
+        worker = f" ({r['worker_peak_rss_mb']:.0f})" if r["mode"] == "par" else ""
+        print(f"| {r['algorithm']} | {r['clients']} | {r['mode']} | {r['setup_s']:.1f} | "
+              f"{med:.2f} | {ratio} | {r['checkpoint_s']:.2f} | {r['checkpoint_mb']:.0f} | "
+              f"{r['peak_rss_mb']:.0f}{worker} |")
 
 
 if __name__ == "__main__":

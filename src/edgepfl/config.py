@@ -106,6 +106,21 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
     participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round "
                                  "(in a hierarchy: of each edge's clients)")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where clients train and evaluate and KAPC's Gram matrices are "
+        "formed: auto = the GPU when PyTorch sees one, else the CPU; results equal the CPU's "
+        "within float tolerance (docs/architecture.md, 'Devices')")
+    workers: int | Literal["auto"] = Field(
+        1, description="clients of a round trained at the same time, each in a worker process "
+        "of one thread (simulation on the CPU; auto = one per core, at most the clients of a "
+        "step); metrics equal the sequential run's")
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, value: int | str) -> int | str:
+        if value != "auto" and (isinstance(value, bool) or value < 1):
+            raise ValueError(f"{value!r}: give a number of processes >= 1, or 'auto'")
+        return value
 
 
 class EvalConfig(_Section):
@@ -291,8 +306,15 @@ def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
+# how a run executes, not what it computes: a run may be resumed with other values
+EXECUTION = ("rounds", "device", "workers")
+
+
 def without_rounds(cfg: dict) -> dict:
-    return {**cfg, "train": {k: v for k, v in cfg.get("train", {}).items() if k != "rounds"}}
+    """``cfg`` without the train settings of ``EXECUTION`` (the run's length and where it
+    runs), which a resumed or extended run may change."""
+    return {**cfg, "train": {k: v for k, v in cfg.get("train", {}).items()
+                             if k not in EXECUTION}}
 
 
 def comparable(cfg: dict) -> dict:

@@ -263,7 +263,7 @@ class ClusterFLClient(PersonalModelClient):
             missing = set(names) - set(msg.tensors)
             if missing:
                 raise MessageError(f"ClusterFL anchor lacks {sorted(missing)}")
-            hook = proximal_hook(self.hp.rho, [msg.tensors[n] for n in names])
+            hook = proximal_hook(self.hp.rho, self.trainer.place([msg.tensors[n] for n in names]))
             stats = fit(self, data, gen, grad_hook=hook)
             upload = True
         else:  # warm-up: plain local training; upload only when asked (for clustering)

@@ -129,7 +129,7 @@ class FedAMPClient(PersonalModelClient):
             raise MessageError(f"FedAMP cloud model lacks {sorted(missing)}")
         # local training continues the client's own personal model, pulled towards u_i
         self.trainer.load(self.personal_model(state, None))
-        anchor = [msg.tensors[n] for n in self.trainer.param_names]
+        anchor = self.trainer.place([msg.tensors[n] for n in self.trainer.param_names])
         hook = proximal_hook(self.hp.lamda / self.hp.alphaK, anchor)
         stats = fit(self, data, gen, grad_hook=hook)
         model = self.trainer.export()

@@ -330,7 +330,8 @@ class FedMDClient(PersonalModelClient):
                 order = torch.randperm(x.shape[0], generator=gen)
                 for start in range(0, x.shape[0], hp.digest_batch_size):
                     batch = order[start:start + hp.digest_batch_size]
-                    loss = distance(model(trainer.layout(x[batch])), target[batch])
+                    loss = distance(model(trainer.layout(x[batch])),
+                                    target[batch].to(trainer.device, non_blocking=True))
                     for p in params:
                         p.grad = None
                     loss.backward()
@@ -363,7 +364,7 @@ class FedMDClient(PersonalModelClient):
         model.eval()
         size = self.trainer.eval_batch_size
         return torch.cat([model(self.trainer.layout(x[s:s + size]))
-                          for s in range(0, x.shape[0], size)]).contiguous()
+                          for s in range(0, x.shape[0], size)]).cpu().contiguous()
 
 
 ALGORITHM = Algorithm(

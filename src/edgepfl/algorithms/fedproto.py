@@ -153,9 +153,11 @@ class FedProtoClient(PersonalModelClient):
         self.trainer.load(self._own(state))
         lamda = self.hp.lamda
 
+        on_model = self.trainer.place([protos, present])  # where the features are
+
         with tap_features(self.trainer.model, classifier_module(self.ctx.layers)) as features:
             def loss_hook(model, logits, x, y):
-                return lamda * prototype_loss(features.take(), y, protos, present)
+                return lamda * prototype_loss(features.take(), y, *on_model)
 
             stats = fit(self, data, gen, loss_hook=loss_hook if present.any() else None)
         model = self.trainer.export()
@@ -168,13 +170,16 @@ class FedProtoClient(PersonalModelClient):
         """Per-class mean features of the trained local model on all local samples (eval mode)."""
         model = self.trainer.model
         model.eval()
-        sums = torch.zeros(self.num_classes, self.dim)
+        trainer = self.trainer
+        sums = torch.zeros(self.num_classes, self.dim, device=trainer.device)
         counts = torch.zeros(self.num_classes, dtype=torch.int64)
         for x, y in data.buckets():  # one per input shape (dataset.aspect_ratios)
-            for start in range(0, y.numel(), self.trainer.eval_batch_size):
-                xb, yb = x[start:start + self.trainer.eval_batch_size], y[start:start + self.trainer.eval_batch_size]
+            for start in range(0, y.numel(), trainer.eval_batch_size):
+                stop = start + trainer.eval_batch_size
+                xb, yb = trainer.layout(x[start:stop]), y[start:stop].to(trainer.device)
                 sums.index_add_(0, yb, model.features(xb))
             counts += torch.bincount(y, minlength=self.num_classes)
+        sums = sums.cpu()
         classes = counts.nonzero().flatten()
         local = sums[classes] / counts[classes, None].to(sums.dtype)
         return classes.tolist(), local, counts[classes].tolist()

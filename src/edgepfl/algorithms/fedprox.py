@@ -29,7 +29,7 @@ def proximal_hook(mu: float, anchor: list[torch.Tensor]):
 
 class FedProxClient(FedAvgClient):
     def grad_hook(self, msg: Message):
-        anchor = [msg.tensors[n] for n in self.trainer.param_names]
+        anchor = self.trainer.place([msg.tensors[n] for n in self.trainer.param_names])
         return proximal_hook(self.hp.mu, anchor)
 
 

@@ -39,7 +39,7 @@ from edgepfl.algorithms.base import (
     UpdateResult,
 )
 from edgepfl.algorithms.fedavg import check_model_reply, num_samples
-from edgepfl.algorithms.training import ClientData, Trainer
+from edgepfl.algorithms.training import ClientData, Trainer, host
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import average_width_slices
 from edgepfl.federation.messages import Message, MessageError, like
@@ -179,7 +179,7 @@ class HeteroFLClient(Client):
         if rate not in self._trainers:
             model = width_model(self.trainer.model, self.ctx.layers, rate)
             self._trainers[rate] = Trainer(model, self.trainer.eval_batch_size,
-                                           self.trainer.channels_last)
+                                           self.trainer.channels_last, self.trainer.device)
         return self._trainers[rate]
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
@@ -204,6 +204,7 @@ class HeteroFLClient(Client):
         model = self._query.get(rate)
         if model is None:
             model = width_model(self.trainer.model, self.ctx.layers, rate, track_running_stats=True)
+            model = model.to(self.trainer.device)  # its rebuilt layers are made on the CPU
             if self.trainer.channels_last:
                 model = model.to(memory_format=torch.channels_last)
             self._query[rate] = model
@@ -217,7 +218,7 @@ class HeteroFLClient(Client):
             size = self.trainer.eval_batch_size
             for start in range(0, data.n, size):
                 model(self.trainer.layout(data.x.index_select(0, data.idx[start:start + size])))
-        return {n: b.detach().clone() for n, b in model.named_buffers()}
+        return {n: host(b.detach()) for n, b in model.named_buffers()}
 
     def submodel(self, global_model: State, rate: float, data: ClientData | None) -> State:
         """The rate-``rate`` submodel as a state of the full-width module (zero-padded, the

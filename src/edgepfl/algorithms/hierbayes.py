@@ -307,7 +307,9 @@ class HierBayesClient(Client):
         n = max(data.n, 1)
         t = self.ctx.train
         self.trainer.load(start)
-        hook = proximal_pull(t.lr, [prec[k] / n for k in self.names], [anchor[k] for k in self.names])
+        place = self.trainer.place
+        hook = proximal_pull(t.lr, place([prec[k] / n for k in self.names]),
+                             place([anchor[k] for k in self.names]))
         stats = self.trainer.fit(data, epochs, t.batch_size, t.lr, gen, momentum=t.momentum,
                                  weight_decay=t.weight_decay, grad_hook=hook)
         return self.trainer.export(), stats

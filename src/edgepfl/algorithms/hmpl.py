@@ -412,8 +412,10 @@ class HMPLClient(Client):
         if stage not in self._trainers:
             with torch.device("meta"):  # its weights are loaded before every use
                 model = MODELS[stage_model(stage)][0](*self.dims)
-            self._trainers[stage] = Trainer(model.to_empty(device="cpu"),
-                                            self.trainer.eval_batch_size, self.trainer.channels_last)
+            device = self.trainer.device
+            self._trainers[stage] = Trainer(model.to_empty(device=device),
+                                            self.trainer.eval_batch_size,
+                                            self.trainer.channels_last, device)
         return self._trainers[stage]
 
     def new_layer(self, stage: int, layer: str, cid: int) -> State:

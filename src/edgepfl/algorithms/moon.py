@@ -82,7 +82,7 @@ def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor
     pos = F.cosine_similarity(z, z_glob, dim=-1) / temperature
     neg = F.cosine_similarity(z, z_prev, dim=-1) / temperature
     logits = torch.stack([pos, neg], dim=1)
-    return F.cross_entropy(logits, torch.zeros(z.shape[0], dtype=torch.long))
+    return F.cross_entropy(logits, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))
 
 
 class MOONNet(nn.Module):
@@ -123,11 +123,13 @@ class MOONClient(Client):
         self.classifier = classifier_module(ctx.layers)
         self.proj_init = init_projection(dim, hp.proj_dim, ctx.seed)
         # one skeleton sharing the run model's parameters, so the SGD on the model is the
-        # trainer's own; two more for the constant global and previous representations
+        # trainer's own; two more for the constant global and previous representations. All
+        # on the run trainer's device and layout, which the shared parameters must keep
         self.net = MOONNet(model, projection_head(dim, hp.proj_dim))
-        self.moon = Trainer(self.net)
-        self.glob = Trainer(copy.deepcopy(self.net))
-        self.prev = Trainer(copy.deepcopy(self.net))
+        where = {"device": ctx.trainer.device, "channels_last": ctx.trainer.channels_last}
+        self.moon = Trainer(self.net, **where)
+        self.glob = Trainer(copy.deepcopy(self.net), **where)
+        self.prev = Trainer(copy.deepcopy(self.net), **where)
         for fixed in (self.glob, self.prev):
             fixed.model.eval()
             fixed.model.requires_grad_(False)

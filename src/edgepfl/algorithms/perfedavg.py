@@ -37,7 +37,8 @@ class PerFedAvgClient(Client):
     hessian_free = False
 
     def _grads(self, params, x, y) -> list[torch.Tensor]:
-        loss = F.cross_entropy(self.trainer.model(x), y)
+        trainer = self.trainer
+        loss = F.cross_entropy(trainer.model(trainer.layout(x)), y.to(trainer.device))
         return list(torch.autograd.grad(loss, params, allow_unused=True))
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
@@ -73,8 +74,8 @@ class PerFedAvgClient(Client):
                     for p, g in zip(params, g1, strict=True):
                         if g is not None:
                             p.sub_(hp.alpha * g)
-                out = model(x2)
-                loss2 = F.cross_entropy(out, y2)
+                out = model(self.trainer.layout(x2))
+                loss2 = F.cross_entropy(out, y2.to(self.trainer.device))
                 g2 = [g if g is not None else torch.zeros_like(p) for p, g in
                       zip(params, torch.autograd.grad(loss2, params, allow_unused=True), strict=True)]
                 with torch.no_grad():
@@ -135,7 +136,7 @@ class PerFedAvgClient(Client):
         model = dict(eval_msg.tensors)
         for n, g in zip(self.trainer.param_names, grads, strict=True):
             if g is not None:
-                model[n] = eval_msg.tensors[n] - self.hp.alpha * g
+                model[n] = eval_msg.tensors[n] - self.hp.alpha * g.cpu()
         return model
 
 

@@ -47,7 +47,7 @@ from edgepfl.algorithms.base import (
     UpdateResult,
 )
 from edgepfl.algorithms.fedavg import check_model_reply, num_samples
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.training import ClientData, host
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator
@@ -175,7 +175,7 @@ def _unflat(flat: torch.Tensor, like: State, names: list[str], prefix: str = "")
     out, i = {}, 0
     for n in names:
         t = like[n]
-        out[prefix + n] = flat[i:i + t.numel()].reshape(t.shape).clone()
+        out[prefix + n] = host(flat[i:i + t.numel()].reshape(t.shape))
         i += t.numel()
     return out
 
@@ -280,7 +280,8 @@ class PFedBayesClient(Client):
         sigma, dsigma = softplus(rho), torch.sigmoid(rho)
         g_mu, g_rho, loss_sum = torch.zeros_like(mu), torch.zeros_like(rho), 0.0
         for _ in range(k):
-            eps = torch.randn(mu.shape, generator=noise, dtype=mu.dtype)
+            # drawn on the CPU: the same stream whatever the trainer's device
+            eps = torch.randn(mu.shape, generator=noise, dtype=mu.dtype).to(mu.device)
             self._load_draw(mu + sigma * eps)
             for p in params:
                 p.grad = None
@@ -302,6 +303,7 @@ class PFedBayesClient(Client):
         hp, t = self.hp, self.ctx.train
         mu_g, rho_g = self._distribution(msg.tensors, "message")
         mu_i, rho_i = self._distribution(state, "client state")
+        mu_g, rho_g, mu_i, rho_i = self.trainer.place([mu_g, rho_g, mu_i, rho_i])
         coef = hp.zeta / max(data.n, 1)
         opt = {name: (Adam(lr) if hp.optimizer == "adam" else SGD(lr))
                for name, lr in (("mu_i", hp.personal_lr), ("rho_i", hp.personal_lr),
@@ -315,7 +317,7 @@ class PFedBayesClient(Client):
         loss_sum, seen, steps = 0.0, 0, 0
         for _ in range(t.local_epochs):
             for xb, yb in data.batches(t.batch_size, gen):
-                xb = self.trainer.layout(xb)
+                xb, yb = self.trainer.layout(xb), yb.to(self.trainer.device, non_blocking=True)
                 for _ in range(hp.personal_steps):
                     g_mu, g_rho, loss = self._data_grads(mu_i, rho_i, xb, yb, noise)
                     if t.weight_decay:

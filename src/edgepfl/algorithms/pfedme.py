@@ -93,14 +93,14 @@ class PFedMeClient(Client):
         model.train()
         names = tr.param_names
         params = [tr.params[n] for n in names]
-        local = [msg.tensors[n].clone() for n in names]  # w_i
+        local = [msg.tensors[n].to(tr.device, copy=True) for n in names]  # w_i
         # the anchor list is updated in place below, so the pull is always towards the
         # current w_i
         pull = proximal_hook(hp.lamda, local)
         loss_sum, seen, steps = 0.0, 0, 0
         for _ in range(t.local_epochs):
             for xb, yb in data.batches(t.batch_size, gen):
-                xb = tr.layout(xb)
+                xb, yb = tr.layout(xb), yb.to(tr.device, non_blocking=True)
                 for _ in range(hp.K):
                     loss = F.cross_entropy(model(xb), yb)
                     grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -121,7 +121,7 @@ class PFedMeClient(Client):
         # buffers (BatchNorm statistics) are only ever updated by theta's forward passes;
         # w_i carries them as they are
         reply = dict(theta)
-        reply.update(zip(names, local, strict=True))
+        reply.update(zip(names, (w.cpu() for w in local), strict=True))
         stats = {"train_loss": loss_sum / max(seen, 1), "steps": float(steps),
                  "samples": float(seen)}
         return UpdateResult(Message(reply, {"num_samples": data.n}), model_to_state(theta), stats)

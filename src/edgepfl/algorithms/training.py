@@ -159,6 +159,39 @@ def tap_features(model: nn.Module, classifier: str) -> Iterator[FeatureTap]:
         handle.remove()
 
 
+def host(t: torch.Tensor) -> torch.Tensor:
+    """A private, contiguous CPU copy of ``t`` (from any device, in any memory layout)."""
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.to("cpu", memory_format=torch.contiguous_format)
+
+
+def select_device(setting: str) -> torch.device:
+    """``train.device``: ``auto`` is CUDA when PyTorch sees a GPU, else the CPU."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"train.device = 'cuda', but PyTorch {torch.__version__} sees no CUDA GPU (a CPU "
+            f"build, or no driver); valid here: 'cpu' or 'auto' (the GPU when there is one)")
+    if setting not in ("cpu", "cuda"):
+        raise ConfigError(f"train.device = {setting!r}; valid: 'auto', 'cpu', 'cuda'")
+    device = torch.device(setting)
+    if device.type == "cuda":
+        # cuDNN's default TF32 convolutions round inputs to 10 mantissa bits: after two
+        # rounds of SGD a MOON run's accuracy moved 3 points from the CPU's; in float32
+        # every algorithm lands within 1e-5 of it (bench/README.md, "On a GPU")
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return device
+
+
+def server_device(setting: str) -> torch.device:
+    """Where a server forms what it computes in bulk (KAPC's Gram matrices): the GPU when
+    ``train.device`` allows it and this process has one (a Flower ServerApp may not)."""
+    return torch.device("cuda" if setting != "cpu" and torch.cuda.is_available() else "cpu")
+
+
 def _has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
@@ -174,8 +207,10 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, eval_batch_size: int = 1024,
-                 channels_last: bool | None = None):
+                 channels_last: bool | None = None, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.channels_last = _has_conv(model) if channels_last is None else channels_last
+        model = model.to(self.device)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
@@ -205,14 +240,21 @@ class Trainer:
 
     def export(self, names: Sequence[str] | None = None) -> State:
         names = self.state_names if names is None else names
-        return {n: (self.params.get(n) if n in self.params else self.buffers[n]).detach()
-                .clone(memory_format=torch.contiguous_format) for n in names}
+        return {n: host((self.params.get(n) if n in self.params else self.buffers[n]).detach())
+                for n in names}
 
     def layout(self, x: torch.Tensor) -> torch.Tensor:
-        """A batch in the skeleton's memory layout (a no-op for one-channel images)."""
+        """A batch on the skeleton's device and in its memory layout (the layout is a no-op
+        for one-channel images)."""
+        x = x.to(self.device, non_blocking=True)
         if self.channels_last and x.dim() == 4:
             return x.contiguous(memory_format=torch.channels_last)
         return x
+
+    def place(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (anchors from a message, targets of a loss) on the skeleton's device,
+        for a hook that meets them with its parameters; on the CPU, the same tensors."""
+        return [t.to(self.device, non_blocking=True) for t in tensors]
 
     def forget(self) -> None:
         self._loaded = None
@@ -237,13 +279,13 @@ class Trainer:
         for p in frozen:
             p.requires_grad_(False)
         bufs: list[torch.Tensor] | None = None
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=self.device)
         seen = 0
         steps = 0
         try:
             for _ in range(epochs):
                 for xb, yb in data.batches(batch_size, gen):
-                    xb = self.layout(xb)
+                    xb, yb = self.layout(xb), yb.to(self.device, non_blocking=True)
                     logits = model(xb)
                     loss = F.cross_entropy(logits, yb)
                     total = loss if loss_hook is None else loss + loss_hook(model, logits, xb, yb)
@@ -293,7 +335,7 @@ class Trainer:
         loss = 0.0
         for start in range(0, y.numel(), self.eval_batch_size):
             xb = self.layout(x[start:start + self.eval_batch_size])
-            yb = y[start:start + self.eval_batch_size]
+            yb = y[start:start + self.eval_batch_size].to(self.device, non_blocking=True)
             logits = self.model(xb)
             correct += int((logits.argmax(1) == yb).sum())
             loss += float(F.cross_entropy(logits, yb, reduction="sum"))
@@ -308,15 +350,15 @@ class Trainer:
             return self.evaluate(states[0], x, y)
         self._loaded = None
         self.model.eval()
-        probs = torch.zeros(y.numel(), 0)
+        probs = torch.zeros(y.numel(), 0, device=self.device)
         for state in states:
             self.load(state)
             chunks = [torch.softmax(self.model(self.layout(x[s:s + self.eval_batch_size])), 1)
                       for s in range(0, y.numel(), self.eval_batch_size)]
-            p = torch.cat(chunks) if chunks else torch.zeros(0, 0)
+            p = torch.cat(chunks) if chunks else torch.zeros(0, 0, device=self.device)
             probs = p if probs.numel() == 0 else probs + p
         self._loaded = None
-        probs = probs / len(states)
+        probs = (probs / len(states)).cpu()
         correct = int((probs.argmax(1) == y).sum())
         picked = probs.gather(1, y.view(-1, 1)).clamp_min(1e-12)
         return correct, float(-picked.log().sum())

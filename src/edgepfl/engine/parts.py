@@ -19,7 +19,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     Server,
 )
-from edgepfl.algorithms.training import Trainer
+from edgepfl.algorithms.training import Trainer, select_device
 from edgepfl.config import Config, build_config
 from edgepfl.data import load_dataset, make_partition
 from edgepfl.data.aspect import Crops, parse_ratios
@@ -156,6 +156,7 @@ class Parts:
         crops = image_crops(cfg, dataset)
         if crops is not None:
             _check_variable_size(cfg, algorithm, federation)
+        device = select_device(cfg.train.device)
         trainers: dict[str, Trainer] = {}
         models: dict[str, dict[str, torch.Tensor]] = {}
         for name in federation.architectures:
@@ -164,7 +165,7 @@ class Parts:
             model = build_model(name, dataset.input_shape, dataset.num_classes)
             if crops is not None:
                 _probe(name, model, dataset.input_shape[0], crops)
-            trainers[name] = Trainer(model, cfg.eval.batch_size)
+            trainers[name] = Trainer(model, cfg.eval.batch_size, device=device)
             models[name] = trainers[name].export()
         if len(models) > 1:
             index = ParamIndex(models)

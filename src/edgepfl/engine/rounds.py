@@ -139,6 +139,10 @@ class Transport(ABC):
     def evaluate(self, rnd: int, messages: dict[int, Message | None]) -> dict[int, Figures]:
         """Each client's personalized model on its own test split."""
 
+    def close(self) -> None:
+        """Release what the transport holds between rounds (worker processes)."""
+        return None
+
 
 def metric_columns(metrics: list[dict], base: list[str] = METRIC_COLUMNS) -> list[str]:
     """``base`` and then every other key the rows have (an algorithm's own figures)."""

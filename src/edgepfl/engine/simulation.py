@@ -36,6 +36,7 @@ from edgepfl.engine.rounds import (
     accuracy_summary,
     metric_columns,
 )
+from edgepfl.engine.workers import WorkerPool, worker_count
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message
 from edgepfl.federation.rng import derive_seed, generator
@@ -133,26 +134,61 @@ class InProcess(Transport):
         self.flops = flops
         self.store = StackedStore(fed.num_clients)
         self._work_shapes: dict[int, tuple] = {}
+        workers = worker_count(parts.cfg.train.workers, parts.trainer.device)
+        self.pool = WorkerPool(workers, self._worker_task) if workers > 1 else None
         for cid in range(fed.num_clients):
             arch = parts.architectures[fed.arch[cid]]
             self.store.set_row(cid, self.parts[arch.name].init_state(cid, arch.init_model))
 
     def train(self, step: int, messages: dict[int, Message]) -> dict[int, ClientReply]:
-        replies = {}
+        if self.pool is None or len(messages) < 2:
+            replies = {}
+            for cid, down in messages.items():
+                # local training cost depends on shapes, not values: counted once per
+                # architecture, data shape and message/state signature, not once per client
+                msg, state = down.delivered(), self.store.row(cid)
+                key = ("client", self.arch[cid], self._work_shape(cid), work_signature(msg, state))
+                with self.flops.measure(key) as counted:
+                    result = self._update(step, cid, msg, state)
+                self.store.set_row(cid, result.state)
+                replies[cid] = ClientReply(result.reply.delivered(), self.train_data[cid].n,
+                                           result.stats, counted.flops or 0)
+            return replies
+        tasks, keys = [], {}
         for cid, down in messages.items():
             msg, state = down.delivered(), self.store.row(cid)
-            data = self.train_data[cid]
-            torch.manual_seed(derive_seed(self.seed, "torch", step, cid))
-            # local training cost depends on shapes, not values: counted once per
-            # architecture, data shape and message/state signature, not once per client
-            key = ("client", self.arch[cid], self._work_shape(cid), work_signature(msg, state))
-            with self.flops.measure(key) as counted:
-                result = self.parts[self.arch[cid]].update(
-                    cid, msg, state, data, generator(self.seed, "client", step, cid))
-            self.store.set_row(cid, result.state)
-            replies[cid] = ClientReply(result.reply.delivered(), data.n, result.stats,
-                                       counted.flops or 0)
+            keys[cid] = ("client", self.arch[cid], self._work_shape(cid), work_signature(msg, state))
+            count = self.flops.enabled and self.flops.cached(keys[cid]) is None
+            tasks.append(("train", step, cid, msg, state, count))
+        replies = {}
+        for cid, new_state, reply, stats, flops in self.pool.map(tasks):
+            if flops is not None:
+                self.flops.record(keys[cid], flops)
+            self.store.set_row(cid, new_state)
+            counted = flops if flops is not None else self.flops.cached(keys[cid])
+            replies[cid] = ClientReply(reply, self.train_data[cid].n, stats, counted or 0)
         return replies
+
+    def _update(self, step: int, cid: int, msg: Message, state):
+        torch.manual_seed(derive_seed(self.seed, "torch", step, cid))
+        return self.parts[self.arch[cid]].update(
+            cid, msg, state, self.train_data[cid], generator(self.seed, "client", step, cid))
+
+    def _worker_task(self, task: tuple):
+        """One client's step, or with ``("eval", task)`` its evaluation, in a worker process
+        (``engine.workers``)."""
+        if task[0] == "eval":
+            return self._evaluate_task(task[1])
+        _, step, cid, msg, state, count = task
+        meter = FlopMeter(enabled=count, cache=False)
+        with meter.measure() as counted:
+            result = self._update(step, cid, msg, state)
+        return cid, result.state, result.reply, result.stats, counted.flops
+
+    def close(self) -> None:
+        """Stop the worker processes (a transport is usable again afterwards)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def _work_shape(self, cid: int) -> tuple:
         if cid not in self._work_shapes:
@@ -162,16 +198,20 @@ class InProcess(Transport):
     def evaluate(self, rnd: int, messages: dict[int, Message | None]) -> dict[int, Figures]:
         for trainer in self.trainers.values():
             trainer.forget()
-        out = {}
-        for cid, eval_msg in messages.items():
-            test = self.test_data[cid]
-            if sample_count(test) == 0:
-                out[cid] = Figures(0, 0, math.nan)
-                continue
-            arch = self.arch[cid]
-            out[cid] = evaluate_client(self.parts[arch], self.trainers[arch], cid,
-                                       self.store.row(cid), eval_msg, self.train_data[cid], test)
-        return out
+        out = {cid: Figures(0, 0, math.nan) for cid in messages
+               if sample_count(self.test_data[cid]) == 0}
+        tasks = [(cid, self.store.row(cid), msg) for cid, msg in messages.items() if cid not in out]
+        if self.pool is None or len(tasks) < 2:
+            out.update(self._evaluate_task(task) for task in tasks)
+        else:
+            out.update(self.pool.map(("eval", task) for task in tasks))
+        return {cid: out[cid] for cid in messages}
+
+    def _evaluate_task(self, task: tuple) -> tuple[int, Figures]:
+        cid, state, eval_msg = task
+        arch = self.arch[cid]
+        return cid, evaluate_client(self.parts[arch], self.trainers[arch], cid, state, eval_msg,
+                                    self.train_data[cid], self.test_data[cid])
 
 
 def evaluate_client(client, trainer, cid: int, state, eval_msg: Message | None,
@@ -264,6 +304,7 @@ class Simulation:
                 bar.update(self.round, row)
         finally:
             bar.close()
+            self.transport.close()
         summary = self.summary()
         if self.out_dir is not None:
             finish_run_dir(self.out_dir, cfg, summary, self.server, self.metrics)

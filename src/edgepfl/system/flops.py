@@ -85,6 +85,16 @@ class FlopMeter:
         if self.cache and key is not None:
             self._counts[key] = result.flops
 
+    def cached(self, key: Hashable) -> int | None:
+        """The count kept for ``key`` (None: not counted yet, or no cache)."""
+        return self._counts.get(key) if self.cache else None
+
+    def record(self, key: Hashable, flops: int) -> None:
+        """Keep a count made elsewhere (a worker process) as if ``measure`` had made it."""
+        self.misses += 1
+        if self.cache:
+            self._counts[key] = flops
+
     def clear(self) -> None:
         self._counts.clear()
 
