@@ -112,8 +112,8 @@ class TrainConfig(_Section):
         "within float tolerance (docs/architecture.md, 'Devices')")
     workers: int | Literal["auto"] = Field(
         1, description="clients of a round trained at the same time, each in a worker process "
-        "of one thread (simulation on the CPU; auto = one per core, at most the clients of a "
-        "step); metrics equal the sequential run's")
+        "of one thread (simulation on the CPU; auto = one per core); metrics equal the "
+        "sequential run's")
 
     @field_validator("workers")
     @classmethod
