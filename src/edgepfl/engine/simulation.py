@@ -141,48 +141,41 @@ class InProcess(Transport):
             self.store.set_row(cid, self.parts[arch.name].init_state(cid, arch.init_model))
 
     def train(self, step: int, messages: dict[int, Message]) -> dict[int, ClientReply]:
-        if self.pool is None or len(messages) < 2:
-            replies = {}
+        keys: dict[int, tuple] = {}
+
+        def tasks():
+            # drawn lazily: in this process a task is made after the previous client's
+            # count was kept, so clients of one step alike in work are counted once
             for cid, down in messages.items():
+                msg, state = down.delivered(), self.store.row(cid)
                 # local training cost depends on shapes, not values: counted once per
                 # architecture, data shape and message/state signature, not once per client
-                msg, state = down.delivered(), self.store.row(cid)
-                key = ("client", self.arch[cid], self._work_shape(cid), work_signature(msg, state))
-                with self.flops.measure(key) as counted:
-                    result = self._update(step, cid, msg, state)
-                self.store.set_row(cid, result.state)
-                replies[cid] = ClientReply(result.reply.delivered(), self.train_data[cid].n,
-                                           result.stats, counted.flops or 0)
-            return replies
-        tasks, keys = [], {}
-        for cid, down in messages.items():
-            msg, state = down.delivered(), self.store.row(cid)
-            keys[cid] = ("client", self.arch[cid], self._work_shape(cid), work_signature(msg, state))
-            count = self.flops.enabled and self.flops.cached(keys[cid]) is None
-            tasks.append(("train", step, cid, msg, state, count))
+                keys[cid] = ("client", self.arch[cid], self._work_shape(cid),
+                             work_signature(msg, state))
+                count = self.flops.enabled and self.flops.cached(keys[cid]) is None
+                yield "train", step, cid, msg, state, count
+
+        parallel = self.pool is not None and len(messages) > 1
         replies = {}
-        for cid, new_state, reply, stats, flops in self.pool.map(tasks):
-            if flops is not None:
-                self.flops.record(keys[cid], flops)
+        for cid, new_state, reply, stats, flops in (
+                self.pool.map(tasks()) if parallel else map(self._worker_task, tasks())):
+            counted = (self.flops.record(keys[cid], flops) if flops is not None
+                       else self.flops.reuse(keys[cid]))
             self.store.set_row(cid, new_state)
-            counted = flops if flops is not None else self.flops.cached(keys[cid])
-            replies[cid] = ClientReply(reply, self.train_data[cid].n, stats, counted or 0)
+            replies[cid] = ClientReply(reply.delivered(), self.train_data[cid].n, stats,
+                                       counted or 0)
         return replies
 
-    def _update(self, step: int, cid: int, msg: Message, state):
-        torch.manual_seed(derive_seed(self.seed, "torch", step, cid))
-        return self.parts[self.arch[cid]].update(
-            cid, msg, state, self.train_data[cid], generator(self.seed, "client", step, cid))
-
     def _worker_task(self, task: tuple):
-        """One client's step, or with ``("eval", task)`` its evaluation, in a worker process
-        (``engine.workers``)."""
+        """One client's step, or with ``("eval", task)`` its evaluation, in this process or
+        a worker's (``engine.workers``)."""
         if task[0] == "eval":
             return self._evaluate_task(task[1])
         _, step, cid, msg, state, count = task
-        meter = FlopMeter(enabled=count, cache=False)
-        with meter.measure() as counted:
-            result = self._update(step, cid, msg, state)
+        torch.manual_seed(derive_seed(self.seed, "torch", step, cid))
+        with FlopMeter(enabled=count, cache=False).measure() as counted:
+            result = self.parts[self.arch[cid]].update(
+                cid, msg, state, self.train_data[cid], generator(self.seed, "client", step, cid))
         return cid, result.state, result.reply, result.stats, counted.flops
 
     def close(self) -> None:

@@ -89,11 +89,19 @@ class FlopMeter:
         """The count kept for ``key`` (None: not counted yet, or no cache)."""
         return self._counts.get(key) if self.cache else None
 
-    def record(self, key: Hashable, flops: int) -> None:
-        """Keep a count made elsewhere (a worker process) as if ``measure`` had made it."""
+    def record(self, key: Hashable, flops: int) -> int:
+        """Keep a count made outside ``measure`` (a worker process) as if it had made it."""
         self.misses += 1
         if self.cache:
             self._counts[key] = flops
+        return flops
+
+    def reuse(self, key: Hashable) -> int | None:
+        """The count kept for ``key``, as a hit of ``measure`` would give it (None: none)."""
+        flops = self.cached(key)
+        if flops is not None:
+            self.hits += 1
+        return flops
 
     def clear(self) -> None:
         self._counts.clear()
