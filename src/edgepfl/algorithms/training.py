@@ -21,6 +21,7 @@ from torch import nn
 
 from edgepfl.data.aspect import cut, shape_groups
 from edgepfl.errors import ConfigError
+from edgepfl.federation.accounting import counted_once
 from edgepfl.federation.aggregate import weighted_average  # noqa: F401 (re-exported)
 from edgepfl.models.layers import LayerSpec
 
@@ -282,31 +283,36 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         seen = 0
         steps = 0
+        # A fit's steps differ only in batch shape (and momentum's first step): the FLOP
+        # meter counts one step per shape and lets the rest run outside its counter.
+        call = object()
         try:
             for _ in range(epochs):
                 for xb, yb in data.batches(batch_size, gen):
-                    xb, yb = self.layout(xb), yb.to(self.device, non_blocking=True)
-                    logits = model(xb)
-                    loss = F.cross_entropy(logits, yb)
-                    total = loss if loss_hook is None else loss + loss_hook(model, logits, xb, yb)
-                    for p in params:
-                        p.grad = None
-                    total.backward()
-                    with torch.no_grad():
-                        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                        if weight_decay:
-                            torch._foreach_add_(grads, params, alpha=weight_decay)
-                        if grad_hook is not None:
-                            grad_hook(params, grads)
-                        if momentum:
-                            if bufs is None:
-                                bufs = [g.clone() for g in grads]
-                            else:
-                                torch._foreach_mul_(bufs, momentum)
-                                torch._foreach_add_(bufs, grads)
-                            grads = bufs
-                        torch._foreach_add_(params, grads, alpha=-lr)
-                        loss_sum += loss.detach() * yb.numel()
+                    with counted_once((call, tuple(xb.shape), bufs is None)):
+                        xb, yb = self.layout(xb), yb.to(self.device, non_blocking=True)
+                        logits = model(xb)
+                        loss = F.cross_entropy(logits, yb)
+                        total = loss if loss_hook is None else loss + loss_hook(model, logits, xb, yb)
+                        for p in params:
+                            p.grad = None
+                        total.backward()
+                        with torch.no_grad():
+                            grads = [p.grad if p.grad is not None else torch.zeros_like(p)
+                                     for p in params]
+                            if weight_decay:
+                                torch._foreach_add_(grads, params, alpha=weight_decay)
+                            if grad_hook is not None:
+                                grad_hook(params, grads)
+                            if momentum:
+                                if bufs is None:
+                                    bufs = [g.clone() for g in grads]
+                                else:
+                                    torch._foreach_mul_(bufs, momentum)
+                                    torch._foreach_add_(bufs, grads)
+                                grads = bufs
+                            torch._foreach_add_(params, grads, alpha=-lr)
+                            loss_sum += loss.detach() * yb.numel()
                     seen += yb.numel()
                     steps += 1
         finally:
