@@ -5,8 +5,8 @@
 # Each run (all of SRC_GRID's, or the RUN names given) is copied with its checkpoint and
 # continued with `edgepfl run --resume DST --set train.rounds=ROUNDS`, which gives exactly
 # what a run started with ROUNDS rounds gives (tests/test_engine.py). The source stays as it
-# is; a copy already at ROUNDS is skipped and an interrupted one continued. JOBS=2 runs two
-# at a time.
+# is; a copy already at ROUNDS (or that stopped early on its way there: train.early_stopping)
+# is skipped and an interrupted one continued. JOBS=2 runs two at a time.
 set -euo pipefail
 src=$1 dst=$2 rounds=$3
 shift 3
@@ -23,7 +23,8 @@ done | xargs -P "${JOBS:-1}" -I{} bash -c '
   src=$1 dst=$2 rounds=$3 name=$4
   run="$dst/$name"
   if [[ -f "$run/summary.json" ]] && python -c "import json, sys
-sys.exit(json.load(open(sys.argv[1])).get(\"rounds\") != int(sys.argv[2]))" "$run/summary.json" "$rounds"; then
+s = json.load(open(sys.argv[1]))
+sys.exit(s.get(\"rounds_planned\", s.get(\"rounds\")) != int(sys.argv[2]))" "$run/summary.json" "$rounds"; then
     echo "done already: $run"; exit 0
   fi
   if [[ ! -d "$run" ]]; then

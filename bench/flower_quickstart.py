@@ -26,7 +26,7 @@ def shares(sets: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, list[torc
     """The training tensors, each client's indices and the class count for edgepfl
     settings ``sets``."""
     ds, part = load_federation(build_config({}, list(sets)))
-    return ds.x_train, ds.y_train, part.train, ds.num_classes
+    return ds.images("train"), ds.y_train, part.train, ds.num_classes
 
 
 app = ClientApp()

@@ -13,14 +13,17 @@ from pathlib import Path
 
 
 def is_finished(run: Path) -> bool:
-    """summary.json exists and covers the configured rounds (a run being extended to more
-    rounds, bench/extend.sh, still holds the summary of its shorter self)."""
+    """summary.json exists and covers the configured rounds, or says the run stopped early
+    on its way there (train.early_stopping); a run being extended to more rounds,
+    bench/extend.sh, still holds the summary of its shorter self."""
     try:
         summary = json.loads((run / "summary.json").read_text())
         config = json.loads((run / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return summary.get("rounds") == config.get("train", {}).get("rounds")
+    rounds = config.get("train", {}).get("rounds")
+    return summary.get("rounds") == rounds or (
+        bool(summary.get("stopped_early")) and summary.get("rounds_planned") == rounds)
 
 
 def finished_runs(roots: list[Path]) -> dict[str, dict[str, list[Path]]]:

@@ -71,7 +71,7 @@ def main() -> None:
     train0, round0 = rows["fedavg"][2:]
     print("\n| algorithm | clients' updates s per round | vs FedAvg | whole round s | vs FedAvg "
           "| first round s | first / later |\n|---|---|---|---|---|---|---|")
-    for name, (tr1, rd1, tr, rd) in rows.items():
+    for name, (_tr1, rd1, tr, rd) in rows.items():
         print(f"| {name} | {tr:.2f} | {tr / train0:.2f}x | {rd:.2f} | {rd / round0:.2f}x "
               f"| {rd1:.2f} | {rd1 / rd:.2f}x |")
 

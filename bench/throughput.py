@@ -45,6 +45,9 @@ def bare_rounds(sim: Simulation, rounds: int, start_round: int,
     """
     ds = sim.dataset
     cfg = sim.cfg
+    # a hand-written loop holds its inputs as float, normalised once (the engine keeps
+    # 8-bit pixels and normalises per batch, which its figure includes)
+    images = ds.images("train")
     model = build_model(cfg.model.name, ds.input_shape, ds.num_classes)
     layout = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=layout)
@@ -60,7 +63,7 @@ def bare_rounds(sim: Simulation, rounds: int, start_round: int,
             order = data.idx[torch.randperm(data.n, generator=gen)]
             for s in range(0, data.n, cfg.train.batch_size):
                 bidx = order[s:s + cfg.train.batch_size]
-                x, y = ds.x_train[bidx].contiguous(memory_format=layout), ds.y_train[bidx]
+                x, y = images[bidx].contiguous(memory_format=layout), ds.y_train[bidx]
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x), y).backward()
                 opt.step()

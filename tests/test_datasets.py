@@ -69,7 +69,11 @@ def fmnist() -> ds.Dataset:
 def check_image_set(data: ds.Dataset, n_train: int, n_test: int, shape: tuple) -> None:
     assert data.x_train.shape == (n_train, *shape) and data.x_test.shape == (n_test, *shape)
     assert data.y_train.shape == (n_train,) and data.y_test.shape == (n_test,)
-    assert data.x_train.dtype == data.x_test.dtype == torch.float32
+    # 8-bit files stay 8-bit in memory (the built-in sets are float); inputs are float32
+    stored = torch.float32 if data.name in ("digits", "synthetic") else torch.uint8
+    assert data.x_train.dtype == data.x_test.dtype == stored
+    assert (data.norm is None) == (stored == torch.float32)
+    assert data.images("test", torch.arange(2)).dtype == torch.float32
     assert data.y_train.dtype == data.y_test.dtype == torch.int64
     for t in (data.x_train, data.y_train, data.x_test, data.y_test):
         assert t.is_contiguous()
@@ -82,9 +86,10 @@ def test_mnist_shapes_counts_and_normalisation(mnist):
     assert torch.bincount(mnist.y_train).tolist() == MNIST_TRAIN_COUNTS
     assert int(torch.bincount(mnist.y_test).sum()) == 10000 and int(mnist.y_test.max()) == 9
     assert mnist.num_classes == 10 and mnist.classes[0] == "0"
-    assert abs(float(mnist.x_train.mean())) < 0.01 and abs(float(mnist.x_train.std()) - 1) < 0.01
+    x = mnist.images("train")
+    assert abs(float(x.mean())) < 0.01 and abs(float(x.std()) - 1) < 0.01
     # Background pixels are 0 in the file: (0 - 0.1307) / 0.3081.
-    assert float(mnist.x_train.min()) == pytest.approx(-0.1307 / 0.3081, abs=1e-5)
+    assert float(x.min()) == pytest.approx(-0.1307 / 0.3081, abs=1e-5)
 
 
 def test_fmnist_shapes_counts_and_normalisation(fmnist):
@@ -92,7 +97,26 @@ def test_fmnist_shapes_counts_and_normalisation(fmnist):
     assert torch.bincount(fmnist.y_train).tolist() == [6000] * 10
     assert torch.bincount(fmnist.y_test).tolist() == [1000] * 10
     assert fmnist.classes[9] == "Ankle boot"
-    assert abs(float(fmnist.x_train.mean())) < 0.01 and abs(float(fmnist.x_test.mean())) < 0.05
+    assert abs(float(fmnist.images("train").mean())) < 0.01
+    assert abs(float(fmnist.images("test").mean())) < 0.05
+
+
+def test_batches_are_normalised_as_the_whole_array_would_be(mnist):
+    """Pixels stay uint8 and each batch is normalised as it is cut, with the arithmetic of
+    normalising the whole array at load time: the same values, bit for bit."""
+    from edgepfl.algorithms.training import ClientData
+
+    assert mnist.x_train.element_size() == 1
+    idx = torch.tensor([5, 0, 59999, 123])
+    whole = mnist.x_train.to(torch.float32)
+    mean, std = torch.tensor(0.1307).view(1, 1, 1, 1), torch.tensor(0.3081).view(1, 1, 1, 1)
+    whole.mul_(1.0 / (255.0 * std)).sub_(mean / std)
+    view = ClientData(mnist.x_train, mnist.y_train, idx, norm=mnist.norm)
+    assert torch.equal(view.gather()[0], whole[idx])
+    x, y = next(view.batches(4, torch.Generator().manual_seed(0)))
+    assert x.dtype == torch.float32 and torch.equal(x, whole[view.idx[
+        torch.randperm(4, generator=torch.Generator().manual_seed(0))]])
+    assert torch.equal(mnist.images("train", idx), whole[idx])
 
 
 def test_mnist_fraction_is_seeded(mnist):
@@ -219,7 +243,7 @@ def test_fake_idx_files_load_gzipped_or_not(tmp_path, gz):
     raw = gzip.decompress(path.with_suffix(".gz").read_bytes()) if gz else path.read_bytes()
     first = np.frombuffer(raw, np.uint8, offset=16)[:784].reshape(28, 28).astype(np.float32)
     expected = (torch.from_numpy(first) / 255 - 0.2860) / 0.3530
-    assert torch.allclose(data.x_train[0, 0], expected, atol=1e-5)
+    assert torch.allclose(data.images("train")[0, 0], expected, atol=1e-5)
 
 
 def test_wrong_magic_names_the_file(tmp_path):
@@ -389,8 +413,9 @@ def test_cifar10_binary_round_trip(tmp_path):
     data = load_dataset("cifar10", root=tmp_path)
     check_image_set(data, 20, 3, (3, 32, 32))
     assert data.y_train.tolist() == y[:20].tolist() and data.y_test.tolist() == y[20:].tolist()
-    pixels = denormalise(data.x_train, ds._CIFAR10.mean, ds._CIFAR10.std)
+    pixels = denormalise(data.images("train"), ds._CIFAR10.mean, ds._CIFAR10.std)
     assert (pixels.reshape(20, -1) == x[:20]).all()
+    assert (data.x_train.reshape(20, -1).numpy() == x[:20]).all()  # the stored pixels
     assert data.classes[0] == "airplane" and data.num_classes == 10
 
 
@@ -409,7 +434,7 @@ def test_cifar100_binary_uses_fine_labels(tmp_path):
     data = load_dataset("cifar100", root=tmp_path)
     assert data.y_train.tolist() == arrays["train.bin"][1].tolist()
     assert data.y_test.tolist() == arrays["test.bin"][1].tolist()
-    pixels = denormalise(data.x_test, ds._CIFAR100.mean, ds._CIFAR100.std)
+    pixels = denormalise(data.images("test"), ds._CIFAR100.mean, ds._CIFAR100.std)
     assert (pixels.reshape(6, -1) == arrays["test.bin"][0]).all()
     assert data.num_classes == 100 and data.classes[-1] == "worm"
 
@@ -421,7 +446,7 @@ def test_cifar10_python_round_trip(tmp_path, protocol):
     xs, ys = arrays[0::2], arrays[1::2]
     assert data.y_train.tolist() == np.concatenate(ys[:5]).tolist()
     assert data.y_test.tolist() == ys[5].tolist()
-    pixels = denormalise(data.x_train, ds._CIFAR10.mean, ds._CIFAR10.std)
+    pixels = denormalise(data.images("train"), ds._CIFAR10.mean, ds._CIFAR10.std)
     assert (pixels.reshape(25, -1) == np.concatenate(xs[:5])).all()
 
 
@@ -429,7 +454,7 @@ def test_cifar100_python_round_trip(tmp_path):
     x_train, y_train, x_test, y_test = write_cifar_py(tmp_path, hundred=True)
     data = load_dataset("cifar100", root=tmp_path)
     assert data.y_train.tolist() == y_train.tolist() and data.y_test.tolist() == y_test.tolist()
-    pixels = denormalise(data.x_test, ds._CIFAR100.mean, ds._CIFAR100.std)
+    pixels = denormalise(data.images("test"), ds._CIFAR100.mean, ds._CIFAR100.std)
     assert (pixels.reshape(5, -1) == x_test).all()
 
 

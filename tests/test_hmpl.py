@@ -10,10 +10,11 @@ import torch
 from edgepfl.algorithms.hmpl import HMPLClient, tier_params
 from edgepfl.algorithms.training import ClientData
 from edgepfl.engine.parts import resolve
+from edgepfl.engine.rounds import metric_columns
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
-from edgepfl.io import write_json
+from edgepfl.io import write_csv, write_json
 from edgepfl.models import LayerSpec, build_model
 from edgepfl.models.hmpl import layer_role
 from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, HMPLTiers, stage_model
@@ -258,15 +259,16 @@ def run():
     configure, aggregate = server.configure, server.aggregate
     server.configure = lambda rnd, sel: downs.append(configure(rnd, sel)) or downs[-1]
     server.aggregate = lambda rnd, rep: (ups.append(dict(rep)), aggregate(rnd, rep))[1]
-    up_before = []
+    up_before, accs = [], []
     for _ in range(3):
         up_before.append(sim.rounds.bytes_up.copy())
         sim.step()
-    return sim, downs, ups, up_before
+        accs.append(list(sim.rounds.client_acc))
+    return sim, downs, ups, up_before, accs
 
 
 def test_ip_layers_are_never_uploaded_or_downloaded(run):
-    sim, downs, ups, _ = run
+    sim, downs, ups, *_ = run
     for rnd in range(3):
         for cid, msg in downs[rnd].items():
             assert _shared(msg.tensors), (rnd, cid)
@@ -294,7 +296,7 @@ def test_the_personal_model_is_the_tier_model_of_server_and_own_layers(run):
 
 
 def test_bytes_per_tier_are_what_each_tier_sends(run):
-    sim, downs, ups, up_before = run
+    sim, downs, ups, up_before, _ = run
     row = sim.metrics[1]  # round 2: every client holds its tier's model
     up = up_before[2] - up_before[1]  # the engine's count, per client
     assert [int(b) for b in up] == [ups[1][c].nbytes for c in range(6)]
@@ -334,6 +336,37 @@ def test_tiers_json_lists_each_clients_tier_depth_and_each_tiers_accuracy(run, t
         mine = [acc[c] for c, x in enumerate(tiers) if x == tier]
         assert written["acc_final_mean"][tier] == pytest.approx(sum(mine) / len(mine), abs=1e-12)
     assert not math.isnan(sim.metrics[-1]["acc_global_mean"])
+
+
+def test_every_rounds_tier_accuracy_is_the_mean_over_that_tiers_clients(run, tmp_path):
+    sim, *_, accs = run
+    tiers = sim.server.tiers
+    assert sorted(tiers) == ["com"] * 2 + ["ord"] * 2 + ["sup"] * 2  # ranked after round 1
+    for row, acc in zip(sim.metrics, accs, strict=True):
+        assert row["acc_mean"] == pytest.approx(sum(acc) / len(acc), abs=1e-12)
+        for tier in ("com", "ord", "sup"):
+            mine = [a for a, t in zip(acc, tiers, strict=True) if t == tier]
+            assert row[f"acc_mean_{tier}"] == pytest.approx(sum(mine) / len(mine), abs=1e-12)
+    final = sim.summary()["acc_mean_tier_final"]
+    assert final == {t: sim.metrics[-1][f"acc_mean_{t}"] for t in ("com", "ord", "sup")}
+    # the plot, from the run directory's metrics.csv
+    write_csv(tmp_path / "metrics.csv", metric_columns(sim.metrics), sim.metrics)
+    write_json(tmp_path / "summary.json", sim.summary())
+    sim.server.write_artifacts(tmp_path, plots=True)
+    assert (tmp_path / "accuracy_tiers.png").stat().st_size > 0
+    assert json.loads((tmp_path / "tiers.json").read_text())["acc_final_mean"] == final
+
+
+def test_before_the_ranking_every_client_counts_as_ord_and_com_and_sup_are_nan():
+    server = _sim(*HMPL, clients=4).server
+    figures = server.evaluation_metrics(1, [0.25, 0.5, math.nan, 1.0])
+    assert figures["acc_mean_ord"] == pytest.approx(1.75 / 3)
+    assert math.isnan(figures["acc_mean_com"]) and math.isnan(figures["acc_mean_sup"])
+    server.tiers = ["com", "sup", "sup", None]  # a client not ranked yet is Ord
+    figures = server.evaluation_metrics(2, [0.25, 0.5, math.nan, 1.0])
+    assert (figures["acc_mean_com"], figures["acc_mean_ord"], figures["acc_mean_sup"]) == \
+        (0.25, 1.0, 0.5)
+    assert _sim("algorithm.name=hmpl_s", clients=4).server.evaluation_metrics(1, [0.5] * 4) == {}
 
 
 def test_with_every_client_ord_hmpl_is_hmpl_s_and_hmpl_s_is_fedavg_with_spp():

@@ -13,7 +13,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from edgepfl.errors import ConfigError
 from edgepfl.system_config import SystemConfig
@@ -101,11 +108,28 @@ class TrainConfig(_Section):
     rounds: int = Field(50, ge=1, description="communication rounds (KAPC paper: 50)")
     local_epochs: int = Field(5, ge=1, description="local epochs per round (KAPC paper: 5)")
     batch_size: int = Field(32, ge=1, description="client mini-batch size")
-    lr: float = Field(0.01, gt=0, description="client SGD learning rate (KAPC paper: 0.01)")
+    lr: float = Field(0.01, gt=0, description="client SGD learning rate (KAPC paper: 0.01); "
+                      "with lr_decay, the rate of the first round")
+    lr_decay: Literal["none", "linear", "cosine", "exponential"] = Field(
+        "none", description="how the clients' rate moves from train.lr at the first client step "
+        "to train.lr_final at the last (rounds x topology.edge_rounds steps): none = train.lr "
+        "throughout; linear = by equal differences; cosine = half a cosine wave, flat at both "
+        "ends; exponential = by the same factor every step (HMPL Sec. IV-B: 0.01 to 0.001)")
+    lr_final: float | None = Field(
+        None, gt=0, description="the clients' rate at the last client step; needed with "
+        "train.lr_decay, 0 < lr_final <= train.lr; None without decay")
     momentum: float = Field(0.0, ge=0, lt=1, description="client SGD momentum (reset every round)")
     weight_decay: float = Field(0.0, ge=0)
     participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round "
                                  "(in a hierarchy: of each edge's clients)")
+    early_stopping: int = Field(
+        0, ge=0, description="patience, in evaluated rounds (eval.every): stop the run once "
+        "this many evaluated rounds in a row have not raised the mean client accuracy by more "
+        "than early_stopping_delta over the last round that did; decided from the metrics rows "
+        "alone, so a resumed run stops where a straight one does; 0 = never stop early")
+    early_stopping_delta: float = Field(
+        0.0, ge=0, le=1, description="the rise of the mean client accuracy (a fraction: 0.001 = "
+        "0.1 points) an evaluated round must beat to count as an improvement; 0 = any rise")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where clients train and evaluate and KAPC's Gram matrices are "
         "formed: auto = the GPU when PyTorch sees one, else the CPU; results equal the CPU's "
@@ -121,6 +145,21 @@ class TrainConfig(_Section):
         if value != "auto" and (isinstance(value, bool) or value < 1):
             raise ValueError(f"{value!r}: give a number of processes >= 1, or 'auto'")
         return value
+
+    @model_validator(mode="after")
+    def _decay(self) -> TrainConfig:
+        if self.lr_decay == "none":
+            if self.lr_final is not None:
+                raise ValueError(f"train.lr_final = {self.lr_final!r} is only read with a decay; "
+                                 "set train.lr_decay to linear, cosine or exponential, or leave "
+                                 "lr_final unset")
+        elif self.lr_final is None:
+            raise ValueError(f"train.lr_decay = {self.lr_decay!r} needs train.lr_final, the rate "
+                             f"at the last round: a number > 0 and <= train.lr = {self.lr!r}")
+        elif self.lr_final > self.lr:
+            raise ValueError(f"train.lr_final = {self.lr_final!r} is above train.lr = {self.lr!r}; "
+                             f"a decay ends at a rate > 0 and <= train.lr")
+        return self
 
 
 class EvalConfig(_Section):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -29,7 +30,7 @@ def save_figure(fig, path: Path) -> None:
 
 
 def _evaluated(metrics: Sequence[dict]) -> list[dict]:
-    return [r for r in metrics if r.get("acc_mean") is not None and not math.isnan(r["acc_mean"])]
+    return [r for r in metrics if not math.isnan(_number(r.get("acc_mean")))]
 
 
 def plot_accuracy(metrics: Sequence[dict], path: Path, title: str) -> None:
@@ -49,6 +50,36 @@ def plot_accuracy(metrics: Sequence[dict], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     save_figure(fig, path)
+
+
+def plot_accuracy_series(metrics: Sequence[dict], series: dict[str, str], path: Path,
+                         title: str, dashed: Sequence[str] = ()) -> None:
+    """One line per label: the metrics column it names over the evaluated rounds; a round
+    where a column is missing or NaN (a tier without clients yet) leaves a gap. Labels in
+    ``dashed`` are drawn dashed (a reference beside the others)."""
+    rows = _evaluated(metrics)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    r = np.array([row["round"] for row in rows])
+    for label, column in series.items():
+        values = np.array([_number(row.get(column)) for row in rows], dtype=float)
+        if rows and not np.isnan(values).all():
+            ax.plot(r, values, "--" if label in dashed else "-", lw=1 if label in dashed else 1.5,
+                    marker="." if len(rows) < 30 else None, label=label)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (mean over clients)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(loc="lower right", fontsize=8)
+    save_figure(fig, path)
+
+
+def _number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # "" in a metrics.csv read back: not recorded
+        return math.nan
 
 
 BARS_UP_TO = 200  # clients drawn as stacked bars; more as a heatmap

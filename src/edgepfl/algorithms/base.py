@@ -189,6 +189,11 @@ class Server(Stateful, ABC):
         """Algorithm-specific per-round figures for metrics.csv (e.g. layers uploaded)."""
         return {}
 
+    def evaluation_metrics(self, rnd: int, client_acc: list[float]) -> dict[str, float]:
+        """Algorithm-specific figures of an evaluated round from each client's accuracy
+        (NaN: a client not evaluated), for its metrics row (e.g. HMPL's mean per tier)."""
+        return {}
+
     def summary_figures(self, metrics: list[dict]) -> dict[str, Any]:
         """Algorithm-specific figures for summary.json, from the run's metric rows (e.g.
         DC-PFL's mean over its last aggregation period)."""

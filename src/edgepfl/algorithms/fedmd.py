@@ -276,7 +276,7 @@ class FedMDClient(PersonalModelClient):
         if int(positions.min()) < 0 or int(positions.max()) >= self.pool.numel():
             raise MessageError(f"fedmd: {what} reach outside the public pool of "
                                f"{self.pool.numel()} samples")
-        return self.public.x_train.index_select(0, self.pool[positions.long()])
+        return self.public.images("train", self.pool[positions.long()])
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
@@ -292,7 +292,8 @@ class FedMDClient(PersonalModelClient):
         stats: dict[str, float] = {}
         if TRANSFERRED not in state:
             if hp.public_epochs:
-                public = ClientData(self.public.x_train, self.public.y_train, self.pool)
+                public = ClientData(self.public.x_train, self.public.y_train, self.pool,
+                                    norm=self.public.norm)
                 stats["public_loss"] = self.trainer.fit(
                     public, hp.public_epochs, hp.public_batch_size, t.lr, gen,
                     momentum=t.momentum, weight_decay=t.weight_decay)["train_loss"]

@@ -217,7 +217,7 @@ class HeteroFLClient(Client):
             model.train()
             size = self.trainer.eval_batch_size
             for start in range(0, data.n, size):
-                model(self.trainer.layout(data.x.index_select(0, data.idx[start:start + size])))
+                model(self.trainer.layout(data.take(data.idx[start:start + size])))
         return {n: host(b.detach()) for n, b in model.named_buffers()}
 
     def submodel(self, global_model: State, rate: float, data: ClientData | None) -> State:

@@ -34,6 +34,7 @@ docs/algorithms.md ("hmpl / hmpl_s") lists the choices where the paper is silent
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 from functools import cache
@@ -348,6 +349,20 @@ class HMPLServer(Server):
                     default=0)
         return {**self._bytes, **counts, "sup_depth_max": depth}
 
+    def evaluation_metrics(self, rnd: int, client_acc: list[float]) -> dict[str, float]:
+        """``acc_mean_com``, ``acc_mean_ord``, ``acc_mean_sup``: the unweighted mean
+        accuracy over the clients the server has put in each tier (one not ranked yet
+        counts as Ord, as ``clients_ord`` counts it); NaN for a tier without an evaluated
+        client (before the ranking, Com and Sup)."""
+        if self.reduced:
+            return {}
+        out = {}
+        for tier in TIER_NAMES:
+            mine = [a for a, t in zip(client_acc, self.tiers, strict=True)
+                    if (t or "ord") == tier and not math.isnan(a)]
+            out[f"acc_mean_{tier}"] = sum(mine) / len(mine) if mine else math.nan
+        return out
+
     def summary_figures(self, metrics: list[dict]) -> dict[str, Any]:
         if self.reduced:
             return {}
@@ -355,12 +370,18 @@ class HMPLServer(Server):
                                for k in BYTE_COLUMNS}
         out["tiers"] = {t: sum(1 for x in self.tiers if (x or "ord") == t) for t in TIER_NAMES}
         out["tier_thresholds"] = self.thresholds
+        # each tier's mean accuracy in the last evaluated round (None: no client in it)
+        last = next((r for r in reversed(metrics) if "acc_mean_ord" in r
+                     and not math.isnan(r.get("acc_mean", math.nan))), {})
+        out["acc_mean_tier_final"] = {t: _finite(last.get(f"acc_mean_{t}")) for t in TIER_NAMES}
         return out
 
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
         """``tiers.json``: each client's tier, Sup depth, the round time that ranked it and
         its final accuracy, each tier's mean accuracy, and the thresholds. The accuracies
-        are summary.json's ``acc_clients_final``, which a finished run writes first."""
+        are summary.json's ``acc_clients_final``, which a finished run writes first.
+        ``accuracy_tiers.png``: metrics.csv's ``acc_mean_<tier>`` per evaluated round,
+        beside all clients' mean and the aggregated Ord model's."""
         if self.reduced:
             return
         path = out_dir / "summary.json"
@@ -380,6 +401,32 @@ class HMPLServer(Server):
         write_json(out_dir / "tiers.json", {
             "tier_ratio": self.hp.tier_ratio, "growth_bound": self.hp.growth_bound,
             "thresholds": self.thresholds, "acc_final_mean": means, "clients": clients})
+        rows = _read_metrics(out_dir / "metrics.csv")
+        if plots and rows:
+            from edgepfl.plotting import plot_accuracy_series
+            series = {f"{t.capitalize()} clients": f"acc_mean_{t}" for t in TIER_NAMES}
+            series.update({"all clients": "acc_mean", "aggregated Ord model": "acc_global_mean"})
+            plot_accuracy_series(rows, series, out_dir / "accuracy_tiers.png",
+                                 "hmpl: personal models' accuracy per tier",
+                                 dashed=("all clients", "aggregated Ord model"))
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _read_metrics(path: Path) -> list[dict[str, float]]:
+    """The run's metrics.csv as numbers (an empty cell is NaN); [] without one."""
+    if not path.exists():
+        return []
+    def number(text: str | None) -> float:
+        try:
+            return float(text) if text else math.nan
+        except ValueError:
+            return math.nan
+
+    with path.open(newline="") as f:
+        return [{k: number(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 class HMPLSServer(HMPLServer):

@@ -142,7 +142,7 @@ class _Steps(ClientData):
     ``Trainer.fit`` then takes as one epoch, in that order."""
 
     def __init__(self, data: ClientData, steps: int, batch_size: int, gen: torch.Generator):
-        super().__init__(data.x, data.y, data.idx, data.boxes)
+        super().__init__(data.x, data.y, data.idx, data.boxes, data.norm)
         self._taken: list[tuple[torch.Tensor, torch.Tensor]] = []
         while len(self._taken) < steps:
             for batch in data.batches(batch_size, gen):

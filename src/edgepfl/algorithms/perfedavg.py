@@ -121,7 +121,7 @@ class PerFedAvgClient(Client):
         pick = torch.randint(data.n, (b,), generator=gen) if data.n < b else torch.randperm(
             data.n, generator=gen)[:b]
         idx = data.idx[pick]
-        return {"adapt.x": data.x.index_select(0, idx), "adapt.y": data.y.index_select(0, idx)}
+        return {"adapt.x": data.take(idx), "adapt.y": data.y.index_select(0, idx)}
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if eval_msg is None:

@@ -38,12 +38,15 @@ class ClientData:
     aligned with ``idx``) a sample is its image's crop, cut when a batch is drawn. Samples
     then come in as many shapes as crop sizes and do not stack into one tensor: ``gather``
     refuses, ``buckets`` gives one ``(x, y)`` per shape, and every batch is of one shape.
+    With ``norm`` (``x`` holds 8-bit pixels) every batch is normalised as it is cut, so
+    a batch is the only float copy of the data there is.
     """
 
     x: torch.Tensor
     y: torch.Tensor
     idx: torch.Tensor
     boxes: torch.Tensor | None = None
+    norm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.boxes is not None and tuple(self.boxes.shape) != (self.n, 4):
@@ -71,7 +74,12 @@ class ClientData:
                 "which do not stack into one tensor, but the algorithm asked for all of its "
                 "data as one; an algorithm for such data iterates ClientData.buckets() or "
                 "batches(), or declares Algorithm(variable_size=False) to refuse them")
-        return self.x.index_select(0, self.idx), self.y.index_select(0, self.idx)
+        return self.take(self.idx), self.y.index_select(0, self.idx)
+
+    def take(self, idx: torch.Tensor) -> torch.Tensor:
+        """Model inputs of data-set rows ``idx`` (whole images)."""
+        x = self.x.index_select(0, idx)
+        return x if self.norm is None else self.norm(x)
 
     def buckets(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every sample once, as one ``(x, y)`` per input shape in a fixed order (crop
@@ -85,7 +93,8 @@ class ClientData:
     def _cut(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.boxes is not None
         idx = self.idx[pos]
-        return cut(self.x, idx, self.boxes[pos]), self.y.index_select(0, idx)
+        x = cut(self.x, idx, self.boxes[pos])
+        return x if self.norm is None else self.norm(x), self.y.index_select(0, idx)
 
     def batches(self, batch_size: int, gen: torch.Generator):
         """One epoch of shuffled mini-batches drawn with ``gen``.
@@ -101,7 +110,7 @@ class ClientData:
             order = self.idx[perm]
             for start in range(0, self.n, batch_size):
                 bidx = order[start:start + batch_size]
-                yield self.x.index_select(0, bidx), self.y.index_select(0, bidx)
+                yield self.take(bidx), self.y.index_select(0, bidx)
             return
         runs: list[torch.Tensor] = []
         for pos in shape_groups(self.boxes[perm]):

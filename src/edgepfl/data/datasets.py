@@ -1,8 +1,11 @@
 """Image classification data sets as in-memory tensors.
 
-Every data set is small enough to live in memory as one float32 tensor, so a simulation
-indexes it directly instead of going through a ``DataLoader``; that is what keeps a
-hundred simulated clients fast. Files are read with plain numpy from their original
+Every data set is small enough to live in memory as one tensor, so a simulation indexes
+it directly instead of going through a ``DataLoader``; that is what keeps a hundred
+simulated clients fast. Images read from 8-bit files stay 8-bit (a quarter of float32's
+memory, shared by forked worker processes) and are normalised per batch as it is cut
+(``Normalise``), with the arithmetic the whole-array conversion would do, so values are
+bit for bit the same. Files are read with plain numpy from their original
 distribution formats, so no torchvision is needed, and nothing is executed from a data
 file (the one pickle format is read with an allowlist, see ``_NumpyOnlyUnpickler``).
 """
@@ -46,22 +49,55 @@ DATASETS: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True, eq=False)
+class Normalise:
+    """8-bit pixels to the model's input: ``(x / scale - mean) / std`` per channel."""
+
+    mul: torch.Tensor  # [1, C, 1, 1] float32, 1 / (scale * std)
+    sub: torch.Tensor  # [1, C, 1, 1] float32, mean / std
+
+    @classmethod
+    def of(cls, mean: tuple[float, ...], std: tuple[float, ...], scale: float) -> Normalise:
+        m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        return cls(1.0 / (scale * s), m / s)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """A fresh float32 batch (one multiply and one subtract, in place on the copy)."""
+        return x.to(torch.float32).mul_(self.mul).sub_(self.sub)
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no single truth value for ==
 class Dataset:
-    """A whole data set in memory; clients see it only through index tensors."""
+    """A whole data set in memory; clients see it only through index tensors.
+
+    ``x_train``/``x_test`` are what is stored: uint8 pixels with ``norm`` for data sets
+    read from image files, float32 inputs (``norm`` None) for the others. Model inputs
+    come from ``images`` (or a ``ClientData`` view, which applies ``norm`` per batch).
+    """
 
     name: str
-    x_train: torch.Tensor  # float32 [n, C, H, W], normalised, contiguous
+    x_train: torch.Tensor  # [n, C, H, W], contiguous: uint8 pixels, or float32 inputs
     y_train: torch.Tensor  # int64 [n]
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
     classes: tuple[str, ...]
+    norm: Normalise | None = None
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
         c, h, w = self.x_train.shape[1:]
         return int(c), int(h), int(w)
+
+    def images(self, split: str, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Model inputs (float32, normalised) of ``split`` ('train' or 'test'), all or
+        ``idx``; a fresh tensor when the data set is stored as pixels."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        x = self.x_train if split == "train" else self.x_test
+        x = x if idx is None else x.index_select(0, idx)
+        return x if self.norm is None else self.norm(x)
 
 
 def resolve_data_root(root: str | os.PathLike | None) -> Path:
@@ -121,17 +157,19 @@ class _Raw:
 
 def _finish(raw: _Raw, fraction: float, seed: int) -> Dataset:
     gen = torch.Generator().manual_seed(int(seed))
-    # Subset before converting to float so a 10% run never materialises the full float copy.
     train_idx = _subset(len(raw.y_train), fraction, gen)
     test_idx = _subset(len(raw.y_test), fraction, gen)
+    pixels = raw.x_train.dtype == np.uint8
+    norm = Normalise.of(raw.mean, raw.std, raw.scale) if pixels else None
     return Dataset(
         name=raw.name,
-        x_train=_normalise(raw.x_train, train_idx, raw),
+        x_train=_inputs(raw.x_train, train_idx, raw),
         y_train=_labels(raw.y_train, train_idx),
-        x_test=_normalise(raw.x_test, test_idx, raw),
+        x_test=_inputs(raw.x_test, test_idx, raw),
         y_test=_labels(raw.y_test, test_idx),
         num_classes=len(raw.classes),
         classes=raw.classes,
+        norm=norm,
     )
 
 
@@ -143,14 +181,13 @@ def _subset(n: int, fraction: float, gen: torch.Generator) -> np.ndarray | None:
     return np.sort(torch.randperm(n, generator=gen)[:keep].numpy())
 
 
-def _normalise(x: np.ndarray, idx: np.ndarray | None, raw: _Raw) -> torch.Tensor:
-    picked = x if idx is None else x[idx]
-    out = torch.from_numpy(np.ascontiguousarray(picked, dtype=np.float32))
-    mean = torch.tensor(raw.mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(raw.std, dtype=torch.float32).view(1, -1, 1, 1)
-    # (x/scale - mean)/std as one multiply and one subtract, in place on the fresh copy.
-    out.mul_(1.0 / (raw.scale * std)).sub_(mean / std)
-    return out.contiguous()
+def _inputs(x: np.ndarray, idx: np.ndarray | None, raw: _Raw) -> torch.Tensor:
+    """8-bit pixels as they are (normalised per batch), anything else normalised here."""
+    picked = np.ascontiguousarray(x if idx is None else x[idx])
+    if picked.dtype == np.uint8:
+        # a file's bytes are read-only; tensors are assumed writable
+        return torch.from_numpy(picked if picked.flags.writeable else picked.copy())
+    return Normalise.of(raw.mean, raw.std, raw.scale)(torch.from_numpy(picked)).contiguous()
 
 
 def _labels(y: np.ndarray, idx: np.ndarray | None) -> torch.Tensor:

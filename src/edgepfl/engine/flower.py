@@ -88,6 +88,7 @@ from edgepfl.engine.rounds import (
     Transport,
     metric_columns,
 )
+from edgepfl.engine.schedule import step_lr, training_rate
 from edgepfl.engine.simulation import (
     CHECKPOINT,
     CheckpointPolicy,
@@ -306,8 +307,10 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     torch.manual_seed(derive_seed(cfg.seed, "torch", rnd, cid))
     train, _ = node.split(cid)
     started = time.perf_counter()
-    result = node.client(cid).update(cid, msg, state, train,
-                                     generator(cfg.seed, "client", rnd, cid))
+    part = node.client(cid)
+    # the step's rate, from the step as the simulation derives it (train.lr_decay)
+    with training_rate(part, step_lr(cfg, rnd)):
+        result = part.update(cid, msg, state, train, generator(cfg.seed, "client", rnd, cid))
     train_s = time.perf_counter() - started
     # entries a client does not return keep their value, as in the simulation's store
     kept = {**state, **result.state}
@@ -610,17 +613,18 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
     bar = RoundProgress(cfg.train.rounds, rounds.round, f"{cfg.algorithm.name} on Flower", progress)
     policy = CheckpointPolicy(cfg.output.checkpoint_every)
     try:
-        while rounds.round < cfg.train.rounds:
+        while not rounds.done:
             row = rounds.step()
             if out is not None:
                 write_csv(out / "metrics.csv", metric_columns(rounds.metrics, COLUMNS), rounds.metrics)
                 rounds.write_failures(out)
-                if policy.due(rounds.round, cfg.train.rounds):
+                if policy.due(rounds.round, rounds.last_round):
                     with policy.writing():
                         tensors, meta = rounds.save_state()
                         meta.update(config=cfg.model_dump(), edgepfl_version=__version__)
                         write_tensors(out / CHECKPOINT, tensors, meta)
             bar.update(rounds.round, row)
+        bar.stopped(rounds.stopped)
     finally:
         bar.close()
     summary = rounds.summary(runtime="flower")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+log = logging.getLogger("edgepfl")
 
 
 class RoundProgress:
@@ -30,6 +33,16 @@ class RoundProgress:
         mb = (row["bytes_up"] + row["bytes_down"]) / 1e6
         self._progress.update(self._task, completed=rnd,
                               info=f"{acc_txt}  {mb:8.2f} MB  {row['wall_s']:.2f}s/round")
+
+    def stopped(self, stop: dict | None) -> None:
+        """Say that the run ended before its last round (``Rounds.stopped``): on the live
+        line, and in the log, which is all a run without a terminal shows."""
+        if stop is None:
+            return
+        log.info("stopped early after round %d: %s", stop["round"], stop["reason"])
+        if self._progress is not None:
+            self._progress.update(self._task, total=stop["round"],
+                                  info=f"stopped early: no gain since round {stop['best_round']}")
 
     def close(self) -> None:
         if self._progress is not None:

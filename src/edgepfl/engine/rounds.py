@@ -32,6 +32,7 @@ from edgepfl import __version__
 from edgepfl.algorithms.base import Edge, Server
 from edgepfl.config import Config, comparable, config_diff
 from edgepfl.engine.parts import Parts
+from edgepfl.engine.schedule import can_stop_early, early_stop, round_lr
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.faults import draw_faults
 from edgepfl.federation.messages import Message, MessageError, check_finite
@@ -218,6 +219,14 @@ class Rounds:
                               "whose time is real)")
         # each edge's mean edge-round time in its last period (None: not measured yet)
         self.edge_times: list[float | None] = [None] * fed.edges
+        # (the metrics list and its length when last read, what early_stop said of it)
+        self._stop: tuple[tuple[int, int], dict | None] = ((0, -1), None)
+        t, every = self.cfg.train, self.cfg.eval.every
+        if t.early_stopping and not can_stop_early(t.rounds, every, t.early_stopping):
+            log.warning("train.early_stopping = %d needs %d evaluated rounds before the last "
+                        "to stop a run early, and train.rounds = %d with eval.every = %d has "
+                        "%d: this run will not stop early", t.early_stopping,
+                        t.early_stopping + 1, t.rounds, every, (t.rounds - 1) // every)
         self.failures = np.zeros(n, dtype=np.int64)  # client steps each client failed in
         self.failure_log: list[dict] = []  # round, step, client, reason of every failure
         f = self.cfg.faults
@@ -231,6 +240,40 @@ class Rounds:
                 raise ConfigError("faults.straggler_rate and faults.deadline act on the clients' "
                                   "simulated time, which needs system.count_flops = true (or "
                                   "system.profile = 'wen_table2')")
+
+    # -- how far the run goes ---------------------------------------------------------------
+    @property
+    def stopped(self) -> dict | None:
+        """Where ``train.early_stopping`` stopped the run before ``train.rounds``
+        (``schedule.early_stop``: round, reason, ...), from the metrics rows alone; None
+        while it goes on, and for a run whose rule fires only at its last round."""
+        seen, stop = self._stop
+        now = (id(self.metrics), len(self.metrics))
+        if seen != now:
+            t = self.cfg.train
+            stop = early_stop(self.metrics, t.early_stopping, t.early_stopping_delta)
+            if stop is not None and stop["round"] >= t.rounds:
+                stop = None
+            self._stop = (now, stop)
+        return stop
+
+    @property
+    def done(self) -> bool:
+        """No round is left: ``train.rounds`` are done, or the run stopped early."""
+        return self.round >= self.cfg.train.rounds or self.stopped is not None
+
+    @property
+    def last_round(self) -> int:
+        """The run's last round: where it stopped early, else ``train.rounds``."""
+        stop = self.stopped
+        return stop["round"] if stop is not None else self.cfg.train.rounds
+
+    def stop_summary(self) -> dict:
+        stop = self.stopped
+        return {"rounds_planned": self.cfg.train.rounds,
+                "stopped_early": stop is not None,
+                "stopped_round": stop["round"] if stop else None,
+                "stop_reason": stop["reason"] if stop else None}
 
     def _state_bytes(self) -> int:
         return state_bytes(self.server.state_dict()) + sum(
@@ -249,6 +292,7 @@ class Rounds:
             row, losses = self._star_round(rnd, selected)
         row["train_loss"] = (float(np.average([v for v, _ in losses], weights=[w for _, w in losses]))
                              if losses else math.nan)
+        row["lr"] = round_lr(cfg, rnd)
         self.server_state_bytes = max(self.server_state_bytes, self._state_bytes())
         if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
             row.update(self.evaluate(rnd))
@@ -491,6 +535,7 @@ class Rounds:
         losses = [f.loss / f.count if f.count else math.nan for f in figures.values()]
         self.client_acc = accs
         row = accuracy_row(accs, losses, counts)
+        row.update(self.server.evaluation_metrics(rnd, list(accs)))
         chosen = [accs[c] for c in self._selected if not math.isnan(accs[c])]
         row["acc_mean_selected"] = float(np.mean(chosen)) if chosen else math.nan
         for cid, acc in enumerate(accs):
@@ -558,6 +603,7 @@ class Rounds:
             "clients": fed.num_clients, "rounds": self.round, "seed": cfg.seed,
             "participation": cfg.train.participation,
             **accuracy_summary(self.metrics, self.client_acc),
+            **self.stop_summary(),
             **self._named_summary(),
             **self.protocol_summary(),
             **self.server.summary_figures(self.metrics),
@@ -655,6 +701,13 @@ class Rounds:
             raise EdgepflError(f"{path} belongs to a different configuration than this run's")
         if rnd > self.cfg.train.rounds:
             raise EdgepflError(f"{path} is at round {rnd}, past train.rounds={self.cfg.train.rounds}")
+        t, stored = self.cfg.train, config.get("train", {})
+        if t.lr_decay != "none" and stored.get("rounds", t.rounds) != t.rounds:
+            raise ConfigError(f"{path} was run with train.rounds = {stored.get('rounds')} and "
+                              f"train.lr_decay = {t.lr_decay!r}, whose rates are spread over "
+                              f"those rounds; with train.rounds = {t.rounds} its rounds so far "
+                              "would have trained at other rates, so it cannot be extended: "
+                              "start a new run")
         self.load_parts(tensors, meta.get("state", {}))
         self.round, self.metrics, self.client_acc = rnd, metrics, client_acc
         self.bytes_up, self.bytes_down, self.wall_time = bytes_up, bytes_down, wall_time

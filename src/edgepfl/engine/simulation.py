@@ -36,6 +36,7 @@ from edgepfl.engine.rounds import (
     accuracy_summary,
     metric_columns,
 )
+from edgepfl.engine.schedule import step_lr, training_rate
 from edgepfl.engine.workers import WorkerPool, worker_count
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message
@@ -94,8 +95,8 @@ def client_split(dataset: Dataset, partition: Partition, cid: int,
     ds, idx = dataset, partition.test[cid]
     crops = image_crops(cfg, dataset) if cfg is not None else None
     if crops is None:
-        return (ClientData(ds.x_train, ds.y_train, partition.train[cid]),
-                (ds.x_test.index_select(0, idx), ds.y_test.index_select(0, idx)))
+        return (ClientData(ds.x_train, ds.y_train, partition.train[cid], norm=ds.norm),
+                (ds.images("test", idx), ds.y_test.index_select(0, idx)))
     # Drawn per client from the run seed alone, so the simulation and a Flower node (which
     # builds only its own client's split) cut the same crops.
     ratio = None
@@ -104,9 +105,11 @@ def client_split(dataset: Dataset, partition: Partition, cid: int,
         ratio = int(table[cid])
     train_idx = partition.train[cid]
     return (ClientData(ds.x_train, ds.y_train, train_idx,
-                       crops.draw(train_idx.numel(), generator(cfg.seed, "aspect", "train", cid), ratio)),
+                       crops.draw(train_idx.numel(), generator(cfg.seed, "aspect", "train", cid), ratio),
+                       ds.norm),
             ClientData(ds.x_test, ds.y_test, idx,
-                       crops.draw(idx.numel(), generator(cfg.seed, "aspect", "test", cid), ratio)))
+                       crops.draw(idx.numel(), generator(cfg.seed, "aspect", "test", cid), ratio),
+                       ds.norm))
 
 
 @dataclass
@@ -126,6 +129,7 @@ class InProcess(Transport):
     def __init__(self, parts: Parts, train_data: list[ClientData],
                  test_data: list[TestData], flops: FlopMeter):
         fed = parts.federation
+        self.cfg = parts.cfg
         self.seed = parts.cfg.seed
         self.arch = fed.arch
         self.parts = parts.clients()
@@ -173,9 +177,11 @@ class InProcess(Transport):
             return self._evaluate_task(task[1])
         _, step, cid, msg, state, count = task
         torch.manual_seed(derive_seed(self.seed, "torch", step, cid))
-        with FlopMeter(enabled=count, cache=False).measure() as counted:
-            result = self.parts[self.arch[cid]].update(
-                cid, msg, state, self.train_data[cid], generator(self.seed, "client", step, cid))
+        part = self.parts[self.arch[cid]]
+        with training_rate(part, step_lr(self.cfg, step)), \
+                FlopMeter(enabled=count, cache=False).measure() as counted:
+            result = part.update(cid, msg, state, self.train_data[cid],
+                                 generator(self.seed, "client", step, cid))
         return cid, result.state, result.reply, result.stats, counted.flops
 
     def close(self) -> None:
@@ -286,15 +292,16 @@ class Simulation:
                             f"{cfg.algorithm.name} on {cfg.dataset.name}", self.progress)
         policy = CheckpointPolicy(cfg.output.checkpoint_every)
         try:
-            while self.round < cfg.train.rounds:
+            while not self.rounds.done:
                 row = self.step()
                 if self.out_dir is not None:
                     write_csv(self.out_dir / "metrics.csv", self.metric_columns(), self.metrics)
                     self.rounds.write_failures(self.out_dir)
-                    if policy.due(self.round, cfg.train.rounds):
+                    if policy.due(self.round, self.rounds.last_round):
                         with policy.writing():
                             self.save_checkpoint()
                 bar.update(self.round, row)
+            bar.stopped(self.rounds.stopped)
         finally:
             bar.close()
             self.transport.close()

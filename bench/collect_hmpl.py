@@ -1,0 +1,114 @@
+"""Collect HMPL Table IV / V runs (bench/hmpl_tables.sh) into one markdown table.
+
+    python bench/collect_hmpl.py runs/hmpl > table.md
+    python bench/collect_hmpl.py bench/results/hmpl runs/hmpl > table.md
+
+Several roots are merged by grid folder name (bench/grid_runs.py). One row per (grid folder,
+run name): rounds run (and where early stopping ended the run), best and final mean accuracy
+(mean ± std over the seeds found), final std across clients and worst client, each HMPL
+tier's mean final accuracy (Com / Ord / Sup), the aggregated Ord model's final accuracy over
+every client's test split (hmpl's ``acc_global_weighted_final``, hmpl_s's own
+``acc_weighted_final``: with the whole training set dealt IID, the clients' test splits are
+the whole test set), MB uploaded in total and per tier, and
+the paper's accuracy for the same table, data set and method. The paper reports one accuracy
+per method, as papers do the best round (our "best mean"); ours - paper is given only for
+runs of the paper's protocol (60 clients, the whole data set).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from grid_runs import finished_runs
+
+# Zhang et al., Table IV (arbitrary image sizes) and Table V (regular sizes), accuracy
+PAPER = {
+    ("arbitrary", "mnist"): {"hypcluster": 0.954, "fedper": 0.935, "perfedavg": 0.931,
+                             "pfedme": 0.979, "hmpl_s": 0.982, "hmpl": 0.986},
+    ("arbitrary", "fmnist"): {"fedmd": 0.803, "hypcluster": 0.851, "fedper": 0.762,
+                              "perfedavg": 0.732, "pfedme": 0.878, "hmpl_s": 0.857,
+                              "hmpl": 0.886},
+    ("regular", "mnist"): {"fedavg": 0.978, "fedprox": 0.979, "l2sgd": 0.982, "hmpl_s": 0.983,
+                           "hmpl": 0.987},
+    ("regular", "fmnist"): {"fedavg": 0.879, "fedprox": 0.874, "l2sgd": 0.880, "hmpl_s": 0.876,
+                            "hmpl": 0.889},
+}
+TIERS = ("com", "ord", "sup")
+
+
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def pm(values: list[float | None]) -> str:
+    """Mean over seeds in %, with the standard deviation across seeds when there are several;
+    '-' when a seed lacks the figure."""
+    if not values or any(v is None for v in values):
+        return "-"
+    m = f"{100 * mean(values):.2f}"
+    return m + (f" ± {100 * statistics.stdev(values):.2f}" if len(values) > 1 else "")
+
+
+def tier_final(run: Path, summary: dict) -> dict[str, float | None]:
+    """Each tier's mean final accuracy: the summary's, else tiers.json's (runs from before
+    the summary recorded it); {} for a method without tiers."""
+    if "acc_mean_tier_final" in summary:
+        return summary["acc_mean_tier_final"]
+    path = run / "tiers.json"
+    return json.loads(path.read_text()).get("acc_final_mean", {}) if path.exists() else {}
+
+
+def aggregated(summary: dict, algo: str) -> float | None:
+    """The aggregated Ord model's final accuracy over all clients' test splits: hmpl's
+    ``acc_global_*``; hmpl_s's personal model is that model itself."""
+    if algo == "hmpl_s":
+        return summary.get("acc_weighted_final")
+    return summary.get("acc_global_weighted_final")
+
+
+def rounds_run(sums: list[dict]) -> str:
+    """Rounds of each seed, with 'stopped at' for runs that early stopping ended."""
+    parts = []
+    for s in sums:
+        planned = s.get("rounds_planned", s["rounds"])
+        parts.append(f"{s['rounds']}/{planned}" + (" (early)" if s.get("stopped_early") else ""))
+    return ", ".join(parts)
+
+
+def main(roots: list[Path]) -> None:
+    print("| runs | table | algorithm | seeds | rounds run | best mean acc | final mean acc | "
+          "final std | final worst | final Com / Ord / Sup | Ord model, all test splits | "
+          "MB up | MB up Com / Ord / Sup | paper | ours (best) - paper |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, runs in finished_runs(roots).items():
+        for label, dirs in runs.items():
+            sums = [json.loads((d / "summary.json").read_text()) for d in dirs]
+            cfg = json.loads((dirs[0] / "config.json").read_text())
+            kind = "arbitrary" if cfg["dataset"].get("aspect_ratios") else "regular"
+            table = "IV" if kind == "arbitrary" else "V"
+            algo = cfg["algorithm"]["name"]
+            paper = PAPER.get((kind, cfg["dataset"]["name"]), {}).get(algo)
+            protocol = (cfg["partition"]["clients"], cfg["dataset"]["fraction"]) == (60, 1.0)
+            tiers = [tier_final(d, s) for d, s in zip(dirs, sums, strict=True)]
+            per_tier = " / ".join(pm([t.get(k) for t in tiers]) for k in TIERS) \
+                if all(tiers) else "-"
+            mb = " / ".join(f"{mean([s[f'bytes_up_{k}_total'] for s in sums]) / 1e6:.1f}"
+                            for k in TIERS) \
+                if all(f"bytes_up_{k}_total" in s for s in sums for k in TIERS) else "-"
+            best = mean([s["acc_mean_best"] for s in sums])
+            diff = f"{100 * (best - paper):+.2f}" if paper is not None and protocol else ""
+            print(f"| {name} | {table} | {label} | {len(sums)} | {rounds_run(sums)} | "
+                  f"{pm([s['acc_mean_best'] for s in sums])} | "
+                  f"{pm([s['acc_mean_final'] for s in sums])} | "
+                  f"{100 * mean([s['acc_std_final'] for s in sums]):.2f} | "
+                  f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | {per_tier} | "
+                  f"{pm([aggregated(s, algo) for s in sums])} | "
+                  f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | {mb} | "
+                  f"{'' if paper is None else f'{100 * paper:.1f}'} | {diff} |")
+
+
+if __name__ == "__main__":
+    main([Path(a) for a in sys.argv[1:]] or [Path("runs/hmpl")])

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# HMPL (Zhang et al., TNNLS 2023), Tables IV (arbitrary image sizes) and V (regular sizes) on
+# MNIST and Fashion-MNIST, with the paper's protocol (Sec. IV-B): 60 devices of 1,000
+# training images each, IID (the whole training set), 10 devices per round, batch 20, the
+# clients' rate decaying from 0.01 to 0.001 over the rounds, early stopping, and the Ord
+# model's backbone for every method (hmpl_ord: 3x3 convolutions of 64, 128, 256 channels, SPP,
+# FC 1024-1024-10); device speeds from HMPL's three classes (system.devices=tiers, 3:4:3).
+#
+#   bench/hmpl_tables.sh ROUNDS [DATASETS] [TABLES] [SEEDS] [ALGORITHMS]
+#     ROUNDS      communication rounds (the paper: 800 with early stopping; required)
+#     defaults:   "mnist fmnist" "iv v" "0" "hmpl hmpl_s"
+#     TABLES      iv = images cropped to 16:9, 4:3, 1:1, 3:4, 9:16 (dataset.aspect_ratios),
+#                 v = whole images
+#     ALGORITHMS  add the baselines, e.g. "hmpl hmpl_s fedavg fedprox l2sgd fedper pfedme
+#                 hypcluster fedmd perfedavg heterofl"; fedprox runs with the paper's mu = 0.1,
+#                 perfedavg with its beta = 0.005 (unless the spec gives settings: fedprox:mu=1);
+#                 an algorithm that takes whole images only (fedmd, perfedavg, heterofl) is
+#                 left out of Table IV with a note
+#   JOBS=2         runs two at a time
+#   OUT=dir        root folder (default runs/hmpl)
+#   DECAY=exponential  the decay's form, linear or cosine (the paper says only "from 0.01 to 0.001")
+#   PATIENCE=20    train.early_stopping, evaluated rounds without a gain (0: off; the paper gives none)
+#   DELTA=0        train.early_stopping_delta
+#   EPOCHS=1       local epochs per round (the paper states E = 1, for FedProx)
+#   EVERY=1        evaluate every this many rounds (early stopping counts evaluated rounds)
+#   FRACTION=1     share of the data (a smoke test: FRACTION=0.02 gives 20 images a client)
+#   MODEL=hmpl_ord the baselines' model (hmpl runs hmpl_tiers, hmpl_s hmpl_ord)
+#
+# Participation 0.1667 of 60 clients is round(10.002) = 10 a round. Runs go seed-major into
+# OUT/<dataset>-<arbitrary|regular>-r<rounds>/<algorithm>-seed<k>; finished runs (early
+# stopped ones included) are skipped, interrupted ones resumed (bench/run_one.sh). A run
+# whose decay spreads over ROUNDS cannot be extended to more rounds: start a new grid.
+# Collect with: python bench/collect_hmpl.py OUT > table.md
+set -euo pipefail
+rounds=${1:?usage: bench/hmpl_tables.sh ROUNDS [DATASETS] [TABLES] [SEEDS] [ALGORITHMS]}
+datasets=${2:-"mnist fmnist"}
+tables=${3:-"iv v"}
+seeds=${4:-"0"}
+algorithms=${5:-"hmpl hmpl_s"}
+whole_only=$(python -c "from edgepfl.algorithms import ALGORITHMS
+print(' '.join(k for k, a in ALGORITHMS.items() if not a.variable_size))")
+protocol="partition.clients=60 partition.scheme=iid train.participation=0.1667"
+protocol+=" train.batch_size=20 train.lr=0.01 train.lr_decay=${DECAY:-exponential}"
+protocol+=" train.lr_final=0.001 train.early_stopping=${PATIENCE:-20}"
+protocol+=" train.early_stopping_delta=${DELTA:-0} train.local_epochs=${EPOCHS:-1}"
+protocol+=" train.rounds=$rounds eval.every=${EVERY:-1} dataset.fraction=${FRACTION:-1}"
+protocol+=" system.devices=tiers"
+for seed in $seeds; do
+  for ds in $datasets; do
+    for table in $tables; do
+      case $table in
+        iv) kind=arbitrary crops="dataset.aspect_ratios=16:9,4:3,1:1,3:4,9:16" ;;
+        v) kind=regular crops="" ;;
+        *) echo "unknown table $table: iv or v" >&2; exit 2 ;;
+      esac
+      for spec in $algorithms; do
+        algo=${spec%%:*}
+        if [[ $kind == arbitrary && " $whole_only " == *" $algo "* ]]; then
+          echo "# $algo takes whole images only: left out of Table IV" >&2
+          continue
+        fi
+        if [[ $spec != *:* ]]; then
+          case $algo in
+            fedprox) spec="fedprox:mu=0.1" ;;
+            perfedavg|perfedavg_hf) spec="$algo:beta=0.005" ;;
+          esac
+        fi
+        line="${OUT:-runs/hmpl}/$ds-$kind-r$rounds $seed $spec dataset.name=$ds $protocol"
+        [[ -z $crops ]] || line+=" $crops"
+        [[ $algo == hmpl || $algo == hmpl_s ]] || line+=" model.name=${MODEL:-hmpl_ord}"
+        echo "$line"  # no trailing blank: xargs -L would join it to the next line
+      done
+    done
+  done
+done | xargs -P "${JOBS:-1}" -L 1 bash "$(dirname "$0")/run_one.sh"
