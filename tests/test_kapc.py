@@ -257,6 +257,32 @@ def test_positive_lambda_coaches_the_clients():
     assert _columns(kapc.metrics, TRAINING_COLUMNS) != _columns(local.metrics, TRAINING_COLUMNS)
 
 
+def test_per_client_initial_models_are_each_clients_own_and_the_servers_copy_is_exact():
+    shared = _sim("algorithm.name=kapc")
+    own = _sim("algorithm.name=kapc", "algorithm.init=per_client")
+    names = own.layers.param_names
+    firsts = [own.clients.row(cid) for cid in range(own.num_clients)]
+    for p in names:
+        # shared: every client holds the run's initial model; per_client: each its own draw
+        assert all(torch.equal(shared.clients.row(c)[f"model.{p}"], shared.server.W[p][c])
+                   for c in range(shared.num_clients))
+        assert all(torch.equal(firsts[c][f"model.{p}"], own.server.W[p][c])
+                   for c in range(own.num_clients))
+    weight = names[0]
+    assert not torch.equal(firsts[0][f"model.{weight}"], firsts[1][f"model.{weight}"])
+    assert not torch.equal(firsts[0][f"model.{weight}"], shared.clients.row(0)[f"model.{weight}"])
+    # the draws are seeded: the same run again starts from the same models, and drawing
+    # them leaves torch's global generator where it was
+    again = _sim("algorithm.name=kapc", "algorithm.init=per_client")
+    assert torch.equal(again.server.W[weight], own.server.W[weight])
+    state = torch.random.get_rng_state()
+    own.parts.fresh_model(own.parts.first.name)(7)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    # and the run trains from them (round 1 differs from the shared start's)
+    a, b = shared.run(), own.run()
+    assert _columns(a.metrics, TRAINING_COLUMNS) != _columns(b.metrics, TRAINING_COLUMNS)
+
+
 def test_client_keeps_its_trained_model_and_uploads_all_of_it():
     sim = _sim("algorithm.name=kapc")
     _, up = _record(sim)

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -71,7 +72,9 @@ class ServerContext:
 
     ``layers`` / ``init_model`` are those of the federation's first architecture (its only
     one unless ``model.tiers`` gives clients different models); ``architectures`` has every
-    one and ``federation.arch[cid]`` says which a client holds.
+    one and ``federation.arch[cid]`` says which a client holds. ``fresh_model(seed)`` draws
+    another initial model of that architecture, as ``init_model`` was drawn, from ``seed``
+    (for a method that starts each client from its own).
     """
 
     num_clients: int
@@ -81,6 +84,7 @@ class ServerContext:
     seed: int
     federation: Federation | None = None
     architectures: dict[str, Architecture] = field(default_factory=dict)
+    fresh_model: Callable[[int], State] | None = None
 
     @property
     def arch_of(self) -> tuple[str, ...]:
@@ -124,6 +128,7 @@ class ClientContext:
     num_classes: int
     seed: int
     arch: str = ""
+    fresh_model: Callable[[int], State] | None = None  # as ServerContext's, for ``arch``
 
 
 @dataclass

@@ -53,8 +53,9 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData, server_device
+from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError, check_message
-from edgepfl.federation.rng import generator
+from edgepfl.federation.rng import derive_seed, generator
 from edgepfl.models.layers import LayerSpec
 
 PAPER = ("Zhi et al., Knowledge-Aware Parameter Coaching for Personalized Federated Learning, "
@@ -87,6 +88,11 @@ class KAPCHyperparameters(Hyperparameters):
         "f_s per layer: squared = ||s - w||^2 (the form the journal writes in Sec. 5.2 and "
         "its smoothness assumption needs); l2 = ||s - w|| (plain norm) is refused with the "
         "reason: an exact penalty that pins every client to its regularizer at lambda = 1"))
+    init: Literal["shared", "per_client"] = Field("shared", description=(
+        "the clients' first models: shared = every client starts from the run's one initial "
+        "model (as FedAvg and the baselines do); per_client = each client from its own "
+        "seeded random draw, known to the server too (Algorithm 1: 'initialize and "
+        "distribute w_i^1 for client i')"))
     r_grad_scale: Literal["precondition", "sum", "spread"] = Field("precondition", description=(
         "how the R step is sized: precondition = eta_r divided per layer by the "
         "participants' spread (mean squared distance to their mean), capped for stability: "
@@ -101,6 +107,19 @@ class KAPCHyperparameters(Hyperparameters):
         if value == "l2":
             raise ValueError(L2_REFUSED)
         return value
+
+
+def initial_model(ctx: ServerContext | ClientContext, hp: KAPCHyperparameters, cid: int,
+                  shared: State | None = None) -> State:
+    """Client ``cid``'s first model: the run's shared one, or with ``init = per_client`` its
+    own draw from a seed of the run seed and ``cid`` (the server and the client draw the
+    same, so the server's copy is exact before the client's first upload)."""
+    if hp.init == "shared":
+        return shared if shared is not None else ctx.init_model  # type: ignore[union-attr]
+    if ctx.fresh_model is None:
+        raise ConfigError("algorithm.init = 'per_client' needs a runtime that can build "
+                          "models (the simulation or Flower's engine parts)")
+    return ctx.fresh_model(derive_seed(ctx.seed, "kapc", "init", cid))
 
 
 # Why coaching_loss = l2 is refused (measured: docs/algorithms.md, "The plain norm is refused").
@@ -391,11 +410,14 @@ class KAPCServer(Server):
         self.device = server_device(ctx.train.device)
         self.layer_params = [list(layer.params) for layer in spec.layers]
         n = ctx.num_clients
-        # Before any upload the server's row for a client is the shared initial model: every
-        # client starts from it (Algorithm 1, line 1), so it is exact, not a placeholder.
-        self.W: dict[str, torch.Tensor] = {
-            p: ctx.init_model[p].detach().unsqueeze(0).repeat(n, *([1] * ctx.init_model[p].dim()))
-            for p in spec.param_names}
+        # Before any upload the server's row for a client is the model that client starts
+        # from (Algorithm 1, line 1), so it is exact, not a placeholder.
+        if hp.init == "per_client":
+            firsts = [initial_model(ctx, hp, cid) for cid in range(n)]
+            self.W = {p: torch.stack([m[p] for m in firsts]) for p in spec.param_names}
+        else:
+            self.W = {p: ctx.init_model[p].detach().unsqueeze(0).repeat(
+                n, *([1] * ctx.init_model[p].dim())) for p in spec.param_names}
         self.R = init_relations(hp.r_init, n, len(spec), ctx.seed)
         self.fresh = True
         self._metrics: dict[str, float] = {}
@@ -579,7 +601,7 @@ class KAPCClient(PersonalModelClient):
         self.d_out, self.n_cols = layer_shapes(spec, dict(self.trainer.params))
 
     def init_state(self, cid: int, init_model: State) -> State:
-        state = model_to_state(init_model)
+        state = model_to_state(initial_model(self.ctx, self.hp, cid, init_model))
         if self.bls:
             L = len(self.spec)
             state.update({

@@ -5,6 +5,7 @@ architecture's seeded initial model, the algorithm's server, edge and client par
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +144,7 @@ class Parts:
     architectures: dict[str, Architecture]
     trainers: dict[str, Trainer]
     num_classes: int
+    input_shape: tuple[int, int, int]
 
     @classmethod
     def build(cls, cfg: Config, dataset: Dataset, num_clients: int | None = None) -> Parts:
@@ -176,7 +178,8 @@ class Parts:
         architectures = {name: Architecture(name, LayerSpec.from_model(trainers[name].model),
                                             {k: v.clone() for k, v in models[name].items()})
                          for name in models}
-        return cls(cfg, algorithm, hp, federation, architectures, trainers, dataset.num_classes)
+        return cls(cfg, algorithm, hp, federation, architectures, trainers, dataset.num_classes,
+                   dataset.input_shape)
 
     # the first architecture (the only one unless model.tiers says otherwise)
     @property
@@ -198,7 +201,8 @@ class Parts:
     def _server_ctx(self) -> ServerContext:
         cfg = self.cfg
         return ServerContext(self.federation.num_clients, self.layers, self.init_model, cfg.train,
-                             cfg.seed, self.federation, self.architectures)
+                             cfg.seed, self.federation, self.architectures,
+                             self.fresh_model(self.first.name))
 
     def server(self) -> Server:
         return self.algorithm.server(self._server_ctx(), self.hp)
@@ -216,7 +220,23 @@ class Parts:
         cfg = self.cfg
         a = self.architectures[arch or self.first.name]
         return self.algorithm.client(ClientContext(self.trainers[a.name], a.layers, cfg.train,
-                                                   self.num_classes, cfg.seed, a.name), self.hp)
+                                                   self.num_classes, cfg.seed, a.name,
+                                                   self.fresh_model(a.name)), self.hp)
+
+    def fresh_model(self, arch: str) -> Callable[[int], dict[str, torch.Tensor]]:
+        """``seed -> a newly initialised model of architecture ``arch``, drawn as the run's
+        initial model was (torch's global generator is left as it was)."""
+        trainer = self.trainers[arch]
+        shape = self.input_shape
+
+        def fresh(seed: int) -> dict[str, torch.Tensor]:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = build_model(arch, shape, self.num_classes)
+            state = dict(model.named_parameters()) | dict(model.named_buffers())
+            return {n: state[n].detach() for n in trainer.state_names}
+
+        return fresh
 
     def clients(self) -> dict[str, Client]:
         return {name: self.client(name) for name in self.architectures}
