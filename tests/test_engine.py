@@ -232,3 +232,19 @@ def test_a_run_that_cannot_start_leaves_no_directory(tmp_path, monkeypatch):
         start_run(fast_config("dataset.name=mnist", "dataset.download=false"), tmp_path / "run",
                   progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_client_without_a_named_prediction_is_left_out_of_that_figure(monkeypatch):
+    from edgepfl.engine.rounds import Figures
+
+    sim = Simulation(fast_config("train.rounds=1"), progress=False)
+    # client 0 has a 'global' prediction (8 of 10 right), client 1 none, the others no test
+    # samples: the global figure is client 0's alone, not the mean with a zero for client 1
+    crafted = {0: Figures(6, 10, 5.0, {"global": (8, 4.0)}), 1: Figures(4, 10, 7.0)}
+    crafted.update({c: Figures(0, 0, math.nan) for c in range(2, sim.num_clients)})
+    monkeypatch.setattr(sim.transport, "evaluate", lambda rnd, messages: crafted)
+    row = sim.rounds.evaluate(1)
+    assert row["acc_mean"] == pytest.approx(0.5)
+    assert row["acc_global_mean"] == pytest.approx(0.8)
+    assert row["acc_global_min"] == pytest.approx(0.8)
+    assert row["loss_global"] == pytest.approx(0.4)

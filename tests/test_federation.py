@@ -4,6 +4,7 @@ architectures, per-link bytes and costs, and the settings that describe them."""
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,8 +289,9 @@ def test_asynchronous_edges_of_one_speed_equal_the_synchronous_run_exactly():
            [{k: r[k] for k in keep} for r in sync.metrics]
 
 
-def test_a_slow_edge_is_stale_and_the_cloud_weights_it_down():
-    # three edges; edge 2's clients are 8x slower devices, so it misses whole periods
+def _slow_edge_run() -> tuple[Simulation, list[int]]:
+    """Three asynchronous edges; edge 2's clients are 8x slower devices, so it misses whole
+    periods. Returns the simulation and the slow clients."""
     probe = Simulation(fast_config("partition.clients=9", "system.devices=tiers",
                                    'system.tiers=[{name="fast", flops=8e9, share=0.6667}, '
                                    '{name="slow", flops=1e9, share=0.3333}]'), progress=False)
@@ -307,6 +309,26 @@ def test_a_slow_edge_is_stale_and_the_cloud_weights_it_down():
                                  "system.rate_mbps=10000", "train.rounds=4",
                                  'system.tiers=[{name="fast", flops=8e9, share=0.6667}, '
                                  '{name="slow", flops=1e9, share=0.3333}]'), progress=False)
+    return sim, slow
+
+
+def test_a_busy_edges_clients_are_not_counted_as_selected():
+    # every client takes part (participation 1) unless its edge is busy this period
+    sim, slow = _slow_edge_run()
+    busy_rounds = 0
+    for _ in range(4):
+        sim.step()
+        row, accs = sim.metrics[-1], sim.rounds.client_acc
+        takers = [c for c in range(9) if c not in slow or row["edges_busy"] == 0]
+        assert row["acc_mean_selected"] == pytest.approx(float(np.mean([accs[c] for c in takers])))
+        if row["edges_busy"]:
+            busy_rounds += 1
+            assert row["acc_mean_selected"] != pytest.approx(row["acc_mean"])
+    assert busy_rounds >= 1
+
+
+def test_a_slow_edge_is_stale_and_the_cloud_weights_it_down():
+    sim, _ = _slow_edge_run()
     seen = []
     aggregate = sim.server.aggregate
 
