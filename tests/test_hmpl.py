@@ -426,3 +426,6 @@ def test_hmpl_s_on_flower_equals_the_simulation_and_hmpl_tiers_by_measured_time(
     last = run.metrics[-1]
     assert all(last[f"bytes_up_{t}"] > 0 for t in ("com", "ord", "sup"))
     assert last["bytes_up_com"] < last["bytes_up_ord"] < last["bytes_up_sup"]
+    # and reports each tier's accuracy as the simulation does (one client each here)
+    for t in ("com", "ord", "sup"):
+        assert 0 <= last[f"acc_mean_{t}"] <= 1
