@@ -51,9 +51,10 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.training import ClientData, sgd_step
 from edgepfl.data.datasets import DATASETS, Dataset, load_dataset, resolve_data_root
 from edgepfl.errors import ConfigError
+from edgepfl.federation.accounting import counted_once
 from edgepfl.federation.messages import Message, MessageError, check_message, like
 from edgepfl.federation.rng import derive_seed, generator
 
@@ -326,29 +327,19 @@ class FedMDClient(PersonalModelClient):
         params = [trainer.params[n] for n in trainer.param_names]
         bufs: list[torch.Tensor] | None = None
         total, seen = 0.0, 0
+        call = object()  # steps alike in shape: counted once (Trainer.fit's reasoning)
         try:
             for _ in range(hp.digest_epochs):
                 order = torch.randperm(x.shape[0], generator=gen)
                 for start in range(0, x.shape[0], hp.digest_batch_size):
                     batch = order[start:start + hp.digest_batch_size]
-                    loss = distance(model(trainer.layout(x[batch])),
-                                    target[batch].to(trainer.device, non_blocking=True))
-                    for p in params:
-                        p.grad = None
-                    loss.backward()
-                    with torch.no_grad():
-                        grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-                                 for p in params]
-                        if t.weight_decay:
-                            torch._foreach_add_(grads, params, alpha=t.weight_decay)
-                        if t.momentum:
-                            if bufs is None:
-                                bufs = [g.clone() for g in grads]
-                            else:
-                                torch._foreach_mul_(bufs, t.momentum)
-                                torch._foreach_add_(bufs, grads)
-                            grads = bufs
-                        torch._foreach_add_(params, grads, alpha=-lr)
+                    with counted_once((call, batch.numel(), bufs is None)):
+                        loss = distance(model(trainer.layout(x[batch])),
+                                        target[batch].to(trainer.device, non_blocking=True))
+                        for p in params:
+                            p.grad = None
+                        loss.backward()
+                        bufs = sgd_step(params, lr, t.momentum, t.weight_decay, bufs)
                     total += float(loss.detach()) * batch.numel()
                     seen += batch.numel()
         finally:

@@ -206,6 +206,29 @@ def _has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
+@torch.no_grad()
+def sgd_step(params: Sequence[torch.Tensor], lr: float, momentum: float, weight_decay: float,
+             bufs: list[torch.Tensor] | None, grad_hook: GradHook | None = None
+             ) -> list[torch.Tensor] | None:
+    """One step of plain SGD on ``params``' gradients (a missing one counts as zero), with
+    weight decay, ``grad_hook``'s in-place terms and heavy-ball momentum; returns the
+    momentum buffers to pass to the next step (None without momentum)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if weight_decay:
+        torch._foreach_add_(grads, params, alpha=weight_decay)
+    if grad_hook is not None:
+        grad_hook(params, grads)
+    if momentum:
+        if bufs is None:
+            bufs = [g.clone() for g in grads]
+        else:
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads)
+        grads = bufs
+    torch._foreach_add_(params, grads, alpha=-lr)
+    return bufs
+
+
 class Trainer:
     """One module skeleton that every client's weights pass through.
 
@@ -306,22 +329,8 @@ class Trainer:
                         for p in params:
                             p.grad = None
                         total.backward()
-                        with torch.no_grad():
-                            grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-                                     for p in params]
-                            if weight_decay:
-                                torch._foreach_add_(grads, params, alpha=weight_decay)
-                            if grad_hook is not None:
-                                grad_hook(params, grads)
-                            if momentum:
-                                if bufs is None:
-                                    bufs = [g.clone() for g in grads]
-                                else:
-                                    torch._foreach_mul_(bufs, momentum)
-                                    torch._foreach_add_(bufs, grads)
-                                grads = bufs
-                            torch._foreach_add_(params, grads, alpha=-lr)
-                            loss_sum += loss.detach() * yb.numel()
+                        bufs = sgd_step(params, lr, momentum, weight_decay, bufs, grad_hook)
+                        loss_sum += loss.detach() * yb.numel()
                     seen += yb.numel()
                     steps += 1
         finally:
