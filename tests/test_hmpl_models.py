@@ -221,3 +221,16 @@ def test_variable_size_models_are_registered():
     a, b = _state(_model("cnn2")), _state(_model("cnn2_spp"))
     assert {k: v.shape for k, v in a.items() if k.startswith("conv")} == \
         {k: v.shape for k, v in b.items() if k.startswith("conv")}
+
+
+def test_the_tier_models_stage_stays_in_host_memory_when_the_module_moves():
+    """The stage is read (int) on every forward: on a GPU that read would wait for the
+    device each batch, so the buffer stays on the host while the layers move."""
+    from edgepfl.models.hmpl_tiers import HMPLTiers
+
+    model = HMPLTiers().to("meta").to(memory_format=torch.channels_last)
+    assert model.stage.device.type == "cpu"
+    assert model.fc3.weight.device.type == "meta" and model.conv1.weight.device.type == "meta"
+    model.stage.fill_(-1)
+    assert model.tier() is model._tiers[-1]
+    assert model(torch.empty(2, 1, 28, 28, device="meta")).shape == (2, 10)

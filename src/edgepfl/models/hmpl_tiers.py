@@ -74,6 +74,15 @@ class HMPLTiers(nn.Module):
         # of this module's layers
         self._tiers: dict[int, nn.Module] = {ORD: ordinary, **others}
 
+    def _apply(self, fn, recurse=True):
+        # The stage is read on every forward to pick the tier: it stays in host memory
+        # when the module moves to a GPU, so that reading it never waits for the device.
+        stage = self._buffers[STAGE]
+        out = super()._apply(fn, recurse)
+        if stage is not None and stage.device.type == "cpu":
+            self._buffers[STAGE] = stage
+        return out
+
     def tier(self) -> nn.Module:
         """The tier module of the current ``stage``."""
         stage = int(self.stage)
