@@ -25,6 +25,10 @@
 #   EVERY=1        evaluate every this many rounds (early stopping counts evaluated rounds)
 #   FRACTION=1     share of the data (a smoke test: FRACTION=0.02 gives 20 images a client)
 #   MODEL=hmpl_ord the baselines' model (hmpl runs hmpl_tiers, hmpl_s hmpl_ord)
+#   EXTRA="k=v ..." further settings for every run, TAG=-name appended to the grid's folder:
+#                  the tier-ratio study (Figs. 8-9) is one grid per ratio, e.g.
+#                  EXTRA="algorithm.tier_ratio=[0.1,0.5,0.4]" TAG=-com0.1-ord0.5 \
+#                      bench/hmpl_tables.sh 30 mnist iv 0 hmpl
 #
 # Participation 0.1667 of 60 clients is round(10.002) = 10 a round. Runs go seed-major into
 # OUT/<dataset>-<arbitrary|regular>-r<rounds>/<algorithm>-seed<k>; finished runs (early
@@ -65,7 +69,8 @@ for seed in $seeds; do
             perfedavg|perfedavg_hf) spec="$algo:beta=0.005" ;;
           esac
         fi
-        line="${OUT:-runs/hmpl}/$ds-$kind-r$rounds $seed $spec dataset.name=$ds $protocol"
+        line="${OUT:-runs/hmpl}/$ds-$kind-r$rounds${TAG:-} $seed $spec dataset.name=$ds $protocol"
+        [[ -z ${EXTRA:-} ]] || line+=" $EXTRA"
         [[ -z $crops ]] || line+=" $crops"
         [[ $algo == hmpl || $algo == hmpl_s ]] || line+=" model.name=${MODEL:-hmpl_ord}"
         echo "$line"  # no trailing blank: xargs -L would join it to the next line
