@@ -81,8 +81,11 @@ def main(roots: list[Path]) -> None:
                          f"{column_mean(rows, 'layers_down_mean')}"
             algo = cfg["algorithm"]["name"]
             paper = PAPER.get(key, {}).get(algo)  # variants are compared with their method
-            if (cfg["partition"]["clients"], cfg["dataset"]["fraction"]) != (10, 0.1):
-                paper = None  # Table 1 is the 10-client, 10%-of-the-data scenario only
+            if (cfg["partition"]["clients"], cfg["dataset"]["fraction"]) != (10, 0.1) or \
+                    cfg["partition"].get("scheme", "dirichlet") != "dirichlet":
+                # Table 1 is the 10-client, 10%-of-the-data Dirichlet scenario only (an IID
+                # run's config still carries the default alpha)
+                paper = None
             if cfg["algorithm"].get("evaluate") == "local" and "evaluate=local" not in label:
                 label += " (local eval)"
             best = 100 * mean([s["acc_mean_best"] for s in sums])
