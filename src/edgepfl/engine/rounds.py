@@ -219,8 +219,6 @@ class Rounds:
                               "whose time is real)")
         # each edge's mean edge-round time in its last period (None: not measured yet)
         self.edge_times: list[float | None] = [None] * fed.edges
-        # (the metrics list and its length when last read, what early_stop said of it)
-        self._stop: tuple[tuple[int, int], dict | None] = ((0, -1), None)
         t, every = self.cfg.train, self.cfg.eval.every
         if t.early_stopping and not can_stop_early(t.rounds, every, t.early_stopping):
             log.warning("train.early_stopping = %d needs %d evaluated rounds before the last "
@@ -246,16 +244,11 @@ class Rounds:
     def stopped(self) -> dict | None:
         """Where ``train.early_stopping`` stopped the run before ``train.rounds``
         (``schedule.early_stop``: round, reason, ...), from the metrics rows alone; None
-        while it goes on, and for a run whose rule fires only at its last round."""
-        seen, stop = self._stop
-        now = (id(self.metrics), len(self.metrics))
-        if seen != now:
-            t = self.cfg.train
-            stop = early_stop(self.metrics, t.early_stopping, t.early_stopping_delta)
-            if stop is not None and stop["round"] >= t.rounds:
-                stop = None
-            self._stop = (now, stop)
-        return stop
+        while it goes on, and for a run whose rule fires only at its last round. One pass
+        over the rows, a few times a round: cheaper than keeping it in step with them."""
+        t = self.cfg.train
+        stop = early_stop(self.metrics, t.early_stopping, t.early_stopping_delta)
+        return stop if stop is not None and stop["round"] < t.rounds else None
 
     @property
     def done(self) -> bool:
