@@ -14,7 +14,7 @@
 #     ALGORITHMS  add the baselines, e.g. "hmpl hmpl_s fedavg fedprox l2sgd fedper pfedme
 #                 hypcluster fedmd perfedavg heterofl"; fedprox runs with the paper's mu = 0.1,
 #                 perfedavg with its beta = 0.005 (unless the spec gives settings: fedprox:mu=1);
-#                 an algorithm that takes whole images only (fedmd, perfedavg, heterofl) is
+#                 an algorithm that takes whole images only (heterofl: its sBN query) is
 #                 left out of Table IV with a note
 #   JOBS=2         runs two at a time
 #   OUT=dir        root folder (default runs/hmpl)

@@ -271,9 +271,9 @@ def test_a_fixed_size_model_is_refused_naming_the_models_that_can(any_size, mode
 
 
 def test_an_algorithm_that_needs_one_shape_is_refused(any_size):
-    with pytest.raises(ConfigError, match=r"'perfedavg' needs images of one size.*"
+    with pytest.raises(ConfigError, match=r"'heterofl' needs images of one size.*"
                                           r"algorithms for images of any size: local, fedavg"):
-        Simulation(aspect_config("algorithm.name=perfedavg"), progress=False)
+        Simulation(aspect_config("algorithm.name=heterofl"), progress=False)
 
 
 def test_a_crop_too_small_for_the_model_stops_the_run_before_round_one(any_size):
@@ -285,9 +285,12 @@ def test_a_crop_too_small_for_the_model_stops_the_run_before_round_one(any_size)
 
 # -- runs -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedprox", "fedproto", "dcpfl",
-                                       "hypcluster", "l2sgd", "hierfavg"])
+                                       "hypcluster", "l2sgd", "hierfavg", "perfedavg", "fedmd",
+                                       "fedper", "pfedme"])
 def test_algorithms_train_and_evaluate_on_crops(any_size, monkeypatch, algorithm):
-    extra = {"hierfavg": ["topology.edges=2"], "hypcluster": ["train.rounds=3"]}
+    extra = {"hierfavg": ["topology.edges=2"], "hypcluster": ["train.rounds=3"],
+             # public digits (8x8, whole) as FedMD's public set: a shape the crops have too
+             "fedmd": ["algorithm.public_pool=64", "algorithm.public_size=32"]}
     sim = Simulation(aspect_config(f"algorithm.name={algorithm}", *extra.get(algorithm, [])),
                      progress=False)
     seen: set[tuple[int, int]] = set()
@@ -315,6 +318,41 @@ def test_algorithms_train_and_evaluate_on_crops(any_size, monkeypatch, algorithm
     row = result.metrics[-1]
     assert 0 <= row["acc_mean"] <= 1 and row["loss"] == row["loss"]
     assert list(sim.test_sizes) == [t.n for t in sim.test_data]
+
+
+@pytest.mark.parametrize("mode", ["image", "client"])
+def test_perfedavg_adapts_on_a_full_batch_of_one_crop_size(any_size, mode):
+    """Per-FedAvg's evaluation-time step takes one batch: with crops it is batch_size
+    samples of one of the client's crop sizes, cut from the client's own images."""
+    from edgepfl.algorithms.perfedavg import PerFedAvgClient
+
+    sim = Simulation(aspect_config("algorithm.name=perfedavg", "train.batch_size=8",
+                                   f"dataset.aspect_mode={mode}"), progress=False)
+    client = sim.client
+    assert isinstance(client, PerFedAvgClient)
+    sizes = set()
+    for seed, data in enumerate(sim.train_data):
+        state = client._adapt_batch(data, generator(seed))
+        x, y = state["adapt.x"], state["adapt.y"]
+        assert x.shape[0] == y.shape[0] == 8
+        held = {tuple(s) for s in data.boxes[:, 2:].tolist()}
+        assert tuple(x.shape[2:]) in held
+        sizes.add(tuple(x.shape[2:]))
+        # every sample is one of the client's crops of that size, with its label
+        pos = [p for p in range(data.n) if tuple(data.boxes[p, 2:].tolist()) == x.shape[2:]]
+        xs, ys = data.select(torch.tensor(pos))
+        for xi, yi in zip(x, y, strict=True):
+            k = next(i for i in range(len(pos)) if torch.equal(xs[i], xi))
+            assert ys[k] == yi
+
+
+def test_select_refuses_crops_of_several_sizes(any_size):
+    _, clients = splits(aspect_config())
+    data = clients[0][0]
+    sizes = {tuple(s) for s in data.boxes[:, 2:].tolist()}
+    assert len(sizes) > 1
+    with pytest.raises(ValueError, match="crops of several sizes"):
+        data.select(torch.arange(data.n))
 
 
 def test_run_directory_records_crops_per_ratio_and_client(any_size, tmp_path):

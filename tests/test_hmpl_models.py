@@ -38,17 +38,24 @@ def test_spp_gives_21_values_per_channel_for_any_map_size(size):
     out = SPP()(x)
     assert out.shape == (2, 21 * 3)
     assert not list(SPP().parameters())
-    # the 1x1 level comes first, channel-major: each channel's global maximum
-    torch.testing.assert_close(out[:, :3], x.amax(dim=(2, 3)))
+    # channel-major, the 1x1 level first: each channel's 21 bins open with its maximum
+    torch.testing.assert_close(out.view(2, 3, 21)[:, :, 0], x.amax(dim=(2, 3)))
 
 
 def test_spp_levels_are_the_adaptive_max_pools_in_fig5_order():
     x = torch.randn(2, 5, 4, 4)
-    out = spp(x)
+    per_channel = spp(x).view(2, 5, 21)
     # on a 4x4 map the 4x4 level is the map itself and each 2x2 bin a quadrant's maximum
-    torch.testing.assert_close(out[:, 5 * 5:], x.flatten(1))
+    torch.testing.assert_close(per_channel[:, :, 5:], x.flatten(2))
     quadrants = x.unfold(2, 2, 2).unfold(3, 2, 2).amax(dim=(-1, -2))
-    torch.testing.assert_close(out[:, 5:5 * 5], quadrants.flatten(1))
+    torch.testing.assert_close(per_channel[:, :, 1:5], quadrants.flatten(2))
+
+
+def test_spp_of_the_first_channels_is_a_prefix_of_the_features():
+    """What lets HeteroFL cut a width-sliced hmpl_ord: the features of the first k
+    channels are the first 21 k features."""
+    x = torch.randn(2, 6, 7, 5)
+    torch.testing.assert_close(spp(x[:, :4]), spp(x)[:, :21 * 4])
 
 
 def test_ord_model_is_the_papers_mnist_cnn():

@@ -368,8 +368,6 @@ ALGORITHM = Algorithm(
     client=FedMDClient,
     heterogeneous=True,
     complete=complete,
-    # parties score whole public images, of another shape than cropped private ones
-    variable_size=False,
     paper="Li and Wang, FedMD: Heterogenous Federated Learning via Model Distillation, "
     "NeurIPS 2019 Workshop on Federated Learning for Data Privacy and Confidentiality",
 )

@@ -114,14 +114,24 @@ class PerFedAvgClient(Client):
 
     def _adapt_batch(self, data: ClientData, gen: torch.Generator) -> State:
         """A fixed-size batch of the client's own data for the evaluation-time step (drawn
-        with replacement when the client has fewer samples than a batch)."""
+        with replacement when the client has fewer samples than a batch).
+
+        Crops (HMPL's Table IV runs Per-FedAvg on them through the SPP model): one forward
+        pass takes one shape, so the batch is of one crop size, that of a sample drawn
+        uniformly (each size as often as the client holds it), filled from that size's
+        samples by the same rule."""
         b = self.ctx.train.batch_size
         if data.n == 0:
             return {}
-        pick = torch.randint(data.n, (b,), generator=gen) if data.n < b else torch.randperm(
-            data.n, generator=gen)[:b]
-        idx = data.idx[pick]
-        return {"adapt.x": data.take(idx), "adapt.y": data.y.index_select(0, idx)}
+        pool = torch.arange(data.n)
+        if data.boxes is not None:
+            size = data.boxes[int(torch.randint(data.n, (1,), generator=gen)), 2:]
+            pool = torch.nonzero((data.boxes[:, 2:] == size).all(dim=1)).flatten()
+        m = pool.numel()
+        pick = torch.randint(m, (b,), generator=gen) if m < b else torch.randperm(
+            m, generator=gen)[:b]
+        x, y = data.select(pool[pick])
+        return {"adapt.x": x, "adapt.y": y}
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if eval_msg is None:
@@ -152,12 +162,10 @@ ALGORITHMS = (
               summary="Per-FedAvg (FO): first-order MAML local steps, FedAvg server, one "
                       "adaptation step before evaluation",
               hyperparameters=PerFedAvgHyperparameters, server=FedAvgServer,
-              client=PerFedAvgClient, paper=_PAPER,
-              # its adaptation batch is kept as one tensor: samples of one shape
-              variable_size=False),
+              client=PerFedAvgClient, paper=_PAPER),
     Algorithm(name="perfedavg_hf",
               summary="Per-FedAvg (HF): Hessian-free MAML local steps (finite-difference "
                       "Hessian-vector product), one adaptation step before evaluation",
               hyperparameters=PerFedAvgHyperparameters, server=FedAvgServer,
-              client=PerFedAvgHFClient, paper=_PAPER, variable_size=False),
+              client=PerFedAvgHFClient, paper=_PAPER),
 )

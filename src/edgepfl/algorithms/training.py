@@ -90,6 +90,17 @@ class ClientData:
         for pos in shape_groups(self.boxes):
             yield self._cut(pos)
 
+    def select(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model inputs and labels of the client's samples at positions ``pos`` (into
+        ``idx``); with crops they must all be of one size."""
+        if self.boxes is None:
+            idx = self.idx[pos]
+            return self.take(idx), self.y.index_select(0, idx)
+        if torch.unique(self.boxes[pos, 2:].to(torch.int64), dim=0).shape[0] > 1:
+            raise ValueError("select(): the samples are crops of several sizes, which do not "
+                             "stack into one batch")
+        return self._cut(pos)
+
     def _cut(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.boxes is not None
         idx = self.idx[pos]

@@ -3,7 +3,8 @@ Heterogeneous Multiparty Learning for Arbitrary Images"; Secs. II-B, III-C to II
 Table II, Figs. 3-5).
 
 * ``SPP``: adaptive max pooling of the last feature map to 1x1, 2x2 and 4x4, flattened and
-  concatenated: 21 x C features for any input size, no parameters (Sec. III-D, Fig. 5).
+  concatenated channel by channel: 21 x C features for any input size, no parameters
+  (Sec. III-D, Fig. 5).
 * ``HMPLOrd`` (Sec. IV-B): three 3x3 convolutions (64, 128, 256), each followed by ReLU
   and 2x2 max pooling; SPP; FC 1024, FC 1024, classifier. Every layer is a BS layer.
 * ``HMPLCom`` (weak devices, Sec. III-C1): the Ord model without ``conv3``; a 1x1 IP
@@ -51,10 +52,13 @@ def spp_features(channels: int, levels: tuple[int, ...] = SPP_LEVELS) -> int:
 
 
 def spp(x: torch.Tensor, levels: tuple[int, ...] = SPP_LEVELS) -> torch.Tensor:
-    """[B, C, H, W] -> [B, C * sum(n^2)]: each level's adaptive max pool flattened
-    channel-major, coarsest level first (Fig. 5's order: 1x1, 2x2, 4x4). A map smaller
-    than a level (a 3x3 map, 4x4 bins) is valid: adaptive bins then overlap."""
-    return torch.cat([F.adaptive_max_pool2d(x, n).flatten(1) for n in levels], dim=1)
+    """[B, C, H, W] -> [B, C * sum(n^2)]: each level's adaptive max pool, coarsest level
+    first (Fig. 5's order: 1x1, 2x2, 4x4), concatenated per channel: channel c's
+    sum(n^2) bins are features c * sum(n^2) onwards. Channel-major, like a flattened map,
+    so that the first k channels are the first features: a width-sliced model (HeteroFL)
+    then cuts the next layer's inputs to a prefix. A map smaller than a level (a 3x3 map,
+    4x4 bins) is valid: adaptive bins then overlap."""
+    return torch.cat([F.adaptive_max_pool2d(x, n).flatten(2) for n in levels], dim=2).flatten(1)
 
 
 class SPP(nn.Module):
