@@ -9,7 +9,8 @@ run name): rounds run (and where early stopping ended the run), best and final m
 tier's mean final accuracy (Com / Ord / Sup), the aggregated Ord model's final accuracy over
 every client's test split (hmpl's ``acc_global_weighted_final``, hmpl_s's own
 ``acc_weighted_final``: with the whole training set dealt IID, the clients' test splits are
-the whole test set), MB uploaded in total and per tier, and
+the whole test set), MB uploaded in total and per tier, the final accuracy and MB up of
+the clients on each device class (weak / ordinary / superior, for every method), and
 the paper's accuracy for the same table, data set and method. The paper reports one accuracy
 per method, as papers do the best round (our "best mean"); ours - paper is given only for
 runs of the paper's protocol (60 clients, the whole data set).
@@ -37,6 +38,7 @@ PAPER = {
                             "hmpl": 0.889},
 }
 TIERS = ("com", "ord", "sup")
+DEVICES = ("weak", "ordinary", "superior")  # system.devices=tiers, HMPL's device classes
 
 
 def mean(values: list[float]) -> float:
@@ -61,6 +63,25 @@ def tier_final(run: Path, summary: dict) -> dict[str, float | None]:
     return json.loads(path.read_text()).get("acc_final_mean", {}) if path.exists() else {}
 
 
+def by_device(run: Path, summary: dict) -> dict[str, tuple[float, float]]:
+    """Per device class (system.json's ``tier``): the mean final accuracy of its clients
+    and the bytes they uploaded in total; {} for a run without device classes. Every
+    method's row has it, so the baselines' weak devices can be set against HMPL's Com
+    clients on the same devices (HMPL ranks by round-1 time, so its tiers need not be the
+    device classes one for one)."""
+    clients = json.loads((run / "system.json").read_text()).get("clients", [])
+    tier = [c.get("tier") for c in clients]
+    acc, up = summary.get("acc_clients_final"), summary.get("bytes_up_per_client")
+    if not tier or None in tier or acc is None or up is None or len(acc) != len(tier):
+        return {}
+    out = {}
+    for d in DEVICES:
+        members = [i for i, t in enumerate(tier) if t == d]
+        if members:
+            out[d] = (mean([acc[i] for i in members]), sum(up[i] for i in members))
+    return out
+
+
 def aggregated(summary: dict, algo: str) -> float | None:
     """The aggregated Ord model's final accuracy over all clients' test splits: hmpl's
     ``acc_global_*``; hmpl_s's personal model is that model itself."""
@@ -80,9 +101,10 @@ def rounds_run(sums: list[dict]) -> str:
 
 def main(roots: list[Path]) -> None:
     print("| runs | table | algorithm | seeds | rounds run | best mean acc | final mean acc | "
-          "final std | final worst | final Com / Ord / Sup | Ord model, all test splits | "
-          "MB up | MB up Com / Ord / Sup | paper | ours (best) - paper |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "final std | final worst | final Com / Ord / Sup | final weak / ord. / sup. devices | "
+          "Ord model, all test splits | MB up | MB up Com / Ord / Sup | "
+          "MB up weak / ord. / sup. devices | paper | ours (best) - paper |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, runs in finished_runs(roots).items():
         for label, dirs in runs.items():
             sums = [json.loads((d / "summary.json").read_text()) for d in dirs]
@@ -98,6 +120,11 @@ def main(roots: list[Path]) -> None:
             mb = " / ".join(f"{mean([s[f'bytes_up_{k}_total'] for s in sums]) / 1e6:.1f}"
                             for k in TIERS) \
                 if all(f"bytes_up_{k}_total" in s for s in sums for k in TIERS) else "-"
+            dev = [by_device(d, s) for d, s in zip(dirs, sums, strict=True)]
+            full = all(set(v) == set(DEVICES) for v in dev)
+            dev_acc = " / ".join(pm([v[k][0] for v in dev]) for k in DEVICES) if full else "-"
+            dev_mb = " / ".join(f"{mean([v[k][1] for v in dev]) / 1e6:.1f}"
+                                for k in DEVICES) if full else "-"
             best = mean([s["acc_mean_best"] for s in sums])
             diff = f"{100 * (best - paper):+.2f}" if paper is not None and protocol else ""
             print(f"| {name} | {table} | {label} | {len(sums)} | {rounds_run(sums)} | "
@@ -105,8 +132,8 @@ def main(roots: list[Path]) -> None:
                   f"{pm([s['acc_mean_final'] for s in sums])} | "
                   f"{100 * mean([s['acc_std_final'] for s in sums]):.2f} | "
                   f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | {per_tier} | "
-                  f"{pm([aggregated(s, algo) for s in sums])} | "
-                  f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | {mb} | "
+                  f"{dev_acc} | {pm([aggregated(s, algo) for s in sums])} | "
+                  f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | {mb} | {dev_mb} | "
                   f"{'' if paper is None else f'{100 * paper:.1f}'} | {diff} |")
 
 
