@@ -7,8 +7,8 @@ Several roots are merged by grid folder name (bench/grid_runs.py). One row per (
 run name): rounds run (and where early stopping ended the run), best and final mean accuracy
 (mean ± std over the seeds found), final std across clients and worst client, each HMPL
 tier's mean final accuracy (Com / Ord / Sup), the aggregated Ord model's final accuracy over
-every client's test split (hmpl's ``acc_global_weighted_final``, hmpl_s's own
-``acc_weighted_final``: with the whole training set dealt IID, the clients' test splits are
+every client's test split (hmpl's ``acc_global_weighted_final``, hmpl_s's and FedAvg's
+own ``acc_weighted_final``: with the whole training set dealt IID, the clients' test splits are
 the whole test set), MB uploaded in total and per tier, the final accuracy and MB up of
 the clients on each device class (weak / ordinary / superior, for every method), and
 the paper's accuracy for the same table, data set and method. The paper reports one accuracy
@@ -82,10 +82,16 @@ def by_device(run: Path, summary: dict) -> dict[str, tuple[float, float]]:
     return out
 
 
+# methods whose clients predict with the server's model itself
+GLOBAL_ONLY = ("hmpl_s", "fedavg", "fedprox")
+
+
 def aggregated(summary: dict, algo: str) -> float | None:
-    """The aggregated Ord model's final accuracy over all clients' test splits: hmpl's
-    ``acc_global_*``; hmpl_s's personal model is that model itself."""
-    if algo == "hmpl_s":
+    """The server's aggregated model's final accuracy over all clients' test splits:
+    ``acc_global_*`` where a method reports it beside its personal models (hmpl's Ord
+    model, HeteroFL's full width); for a method whose clients predict with the server's
+    model, their own accuracy is that figure."""
+    if algo in GLOBAL_ONLY:
         return summary.get("acc_weighted_final")
     return summary.get("acc_global_weighted_final")
 
