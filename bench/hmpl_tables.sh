@@ -13,7 +13,13 @@
 #                 v = whole images
 #     ALGORITHMS  add the baselines, e.g. "hmpl hmpl_s fedavg fedprox l2sgd fedper pfedme
 #                 hypcluster fedmd perfedavg heterofl"; fedprox runs with the paper's mu = 0.1,
-#                 perfedavg with its beta = 0.005 (unless the spec gives settings: fedprox:mu=1);
+#                 perfedavg with its beta = 0.005, l2sgd with p = 0.0196 (a round is one
+#                 averaging step after (1-p)/p = 50 local steps on average: one epoch of
+#                 1,000 images in batches of 20, the other methods' local work; the
+#                 paper gives no p) and fedmd with a public pool of 5,000 MNIST / Fashion-
+#                 MNIST images and 1,000 a round (the paper's 60,000 would cost each
+#                 client 60 epochs of its own data in transfer learning alone),
+#                 unless the spec gives settings: fedprox:mu=1;
 #                 an algorithm that takes whole images only (heterofl: its sBN query) is
 #                 left out of Table IV with a note
 #   JOBS=2         runs two at a time
@@ -67,6 +73,8 @@ for seed in $seeds; do
           case $algo in
             fedprox) spec="fedprox:mu=0.1" ;;
             perfedavg|perfedavg_hf) spec="$algo:beta=0.005" ;;
+            l2sgd) spec="l2sgd:p=0.0196" ;;
+            fedmd) spec="fedmd:public_pool=5000,public_size=1000" ;;
           esac
         fi
         line="${OUT:-runs/hmpl}/$ds-$kind-r$rounds${TAG:-} $seed $spec dataset.name=$ds $protocol"
