@@ -20,8 +20,8 @@
 #                 MNIST images and 1,000 a round (the paper's 60,000 would cost each
 #                 client 60 epochs of its own data in transfer learning alone),
 #                 unless the spec gives settings: fedprox:mu=1;
-#                 an algorithm that takes whole images only (heterofl: its sBN query) is
-#                 left out of Table IV with a note
+#                 an algorithm that takes whole images only (Algorithm.variable_size; none
+#                 of the registered ones) is left out of Table IV with a note
 #   JOBS=2         runs two at a time
 #   OUT=dir        root folder (default runs/hmpl)
 #   DECAY=exponential  the decay's form, linear or cosine (the paper says only "from 0.01 to 0.001")

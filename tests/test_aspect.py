@@ -2,6 +2,7 @@
 crops kept as boxes beside the shared image tensor, batches of one shape, seeded draws,
 the capability checks, and runs of the algorithms that take them."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgepfl.algorithms import ALGORITHMS
+from edgepfl.algorithms.heterofl import HeteroFLClient
 from edgepfl.algorithms.training import ClientData, Trainer
 from edgepfl.config import build_config
 from edgepfl.data.aspect import PAPER_RATIOS, Crops, crop_size, cut, parse_ratios
@@ -17,6 +20,7 @@ from edgepfl.engine.simulation import CHECKPOINT, Simulation, client_split, star
 from edgepfl.errors import ConfigError
 from edgepfl.federation.rng import generator
 from edgepfl.models import MODELS, zoo
+from edgepfl.models import width as width_slicing
 from tests.conftest import fast_config, without_wall
 
 PAPER = 'dataset.aspect_ratios=["16:9", "4:3", "1:1", "3:4", "9:16"]'
@@ -52,13 +56,32 @@ class NeedsRoom(AnySize):
         return torch.relu(self.fc1(F.adaptive_avg_pool2d(x, 2).flatten(1)))
 
 
+class AnySizeBN(AnySize):
+    """AnySize with BatchNorm after its convolution: HeteroFL's static BatchNorm on crops."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 8):
+        nn.Module.__init__(self)  # layers registered in the order they run: a chain
+        self.conv1 = nn.Conv2d(in_channels, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.fc1 = nn.Linear(8 * 2 * 2, 16)
+        self.fc2 = nn.Linear(16, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.adaptive_avg_pool2d(torch.relu(self.bn1(self.conv1(x))), 2)
+        return torch.relu(self.fc1(x.flatten(1)))
+
+
 @pytest.fixture
 def any_size(monkeypatch):
-    """Register the test models as variable-size models, as the zoo's own are."""
+    """Register the test models as variable-size models, as the zoo's own are; AnySize and
+    AnySizeBN are chains read channel-major after pooling, so they can be width-sliced."""
     monkeypatch.setitem(MODELS, "any_size", (AnySize, "test: conv + adaptive pooling"))
+    monkeypatch.setitem(MODELS, "any_size_bn", (AnySizeBN, "test: any_size with BatchNorm"))
     monkeypatch.setitem(MODELS, "needs_room", (NeedsRoom, "test: too deep for small crops"))
     monkeypatch.setattr(zoo, "VARIABLE_SIZE_MODELS",
-                        zoo.VARIABLE_SIZE_MODELS | {"any_size", "needs_room"})
+                        zoo.VARIABLE_SIZE_MODELS | {"any_size", "any_size_bn", "needs_room"})
+    monkeypatch.setattr(width_slicing, "SLICEABLE",
+                        width_slicing.SLICEABLE + ("any_size", "any_size_bn"))
     return "model.name=any_size"
 
 
@@ -270,10 +293,13 @@ def test_a_fixed_size_model_is_refused_naming_the_models_that_can(any_size, mode
                          "or dataset.aspect_ratios = [])")
 
 
-def test_an_algorithm_that_needs_one_shape_is_refused(any_size):
-    with pytest.raises(ConfigError, match=r"'heterofl' needs images of one size.*"
+def test_an_algorithm_that_needs_one_shape_is_refused(any_size, monkeypatch):
+    # every algorithm of the registry takes crops; one that declares it cannot is refused
+    fixed = dataclasses.replace(ALGORITHMS["fedavg"], name="one_shape", variable_size=False)
+    monkeypatch.setitem(ALGORITHMS, "one_shape", fixed)
+    with pytest.raises(ConfigError, match=r"'one_shape' needs images of one size.*"
                                           r"algorithms for images of any size: local, fedavg"):
-        Simulation(aspect_config("algorithm.name=heterofl"), progress=False)
+        Simulation(aspect_config("algorithm.name=one_shape"), progress=False)
 
 
 def test_a_crop_too_small_for_the_model_stops_the_run_before_round_one(any_size):
@@ -286,11 +312,13 @@ def test_a_crop_too_small_for_the_model_stops_the_run_before_round_one(any_size)
 # -- runs -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedprox", "fedproto", "dcpfl",
                                        "hypcluster", "l2sgd", "hierfavg", "perfedavg", "fedmd",
-                                       "fedper", "pfedme"])
+                                       "fedper", "pfedme", "heterofl"])
 def test_algorithms_train_and_evaluate_on_crops(any_size, monkeypatch, algorithm):
     extra = {"hierfavg": ["topology.edges=2"], "hypcluster": ["train.rounds=3"],
              # public digits (8x8, whole) as FedMD's public set: a shape the crops have too
-             "fedmd": ["algorithm.public_pool=64", "algorithm.public_size=32"]}
+             "fedmd": ["algorithm.public_pool=64", "algorithm.public_size=32"],
+             # static BatchNorm's statistics queried over crops too, at three widths
+             "heterofl": ["model.name=any_size_bn", "system.devices=tiers"]}
     sim = Simulation(aspect_config(f"algorithm.name={algorithm}", *extra.get(algorithm, [])),
                      progress=False)
     seen: set[tuple[int, int]] = set()
@@ -307,14 +335,28 @@ def test_algorithms_train_and_evaluate_on_crops(any_size, monkeypatch, algorithm
             whole_train.append(sum(y.numel() for _, y in parts) == self.n)
         yield from parts
 
+    real_statistics = HeteroFLClient.statistics
+    queried: set[tuple[int, int]] = set()  # the input shapes of sBN's query passes
+
+    def statistics(self, sub, rate, data):
+        nonlocal seen
+        outside, seen = seen, queried
+        try:
+            return real_statistics(self, sub, rate, data)
+        finally:
+            seen = outside
+
     monkeypatch.setattr(Trainer, "layout", layout)
     monkeypatch.setattr(ClientData, "buckets", buckets)
+    monkeypatch.setattr(HeteroFLClient, "statistics", statistics)
     result = sim.run()
     # the algorithms that read all their training data at once do it shape by shape
-    assert bool(whole_train) == (algorithm in ("fedproto", "dcpfl", "hypcluster"))
+    assert bool(whole_train) == (algorithm in ("fedproto", "dcpfl", "hypcluster", "heterofl"))
     assert all(whole_train)
     crops = {tuple(s) for s in torch.cat([t.boxes for t in sim.train_data])[:, 2:].tolist()}
     assert seen == crops == {(5, 8), (6, 8), (8, 8), (8, 6), (8, 5)}  # never a whole 8x8 only
+    # sBN's query pass (HeteroFL on a BatchNorm model) sees the client's crops alone
+    assert queried == (crops if algorithm == "heterofl" else set())
     row = result.metrics[-1]
     assert 0 <= row["acc_mean"] <= 1 and row["loss"] == row["loss"]
     assert list(sim.test_sizes) == [t.n for t in sim.test_data]

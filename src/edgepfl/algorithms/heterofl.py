@@ -215,9 +215,11 @@ class HeteroFLClient(Client):
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
                     m.reset_running_stats()
             model.train()
-            size = self.trainer.eval_batch_size
-            for start in range(0, data.n, size):
-                model(self.trainer.layout(data.take(data.idx[start:start + size])))
+            # shape by shape (crops of several sizes cannot share a batch); whole images
+            # are one bucket in index order, cut into the same batches as before
+            for x, _ in data.buckets():
+                for batch in x.split(self.trainer.eval_batch_size):
+                    model(self.trainer.layout(batch))
         return {n: host(b.detach()) for n, b in model.named_buffers()}
 
     def submodel(self, global_model: State, rate: float, data: ClientData | None) -> State:
@@ -255,8 +257,6 @@ ALGORITHM = Algorithm(
     client=HeteroFLClient,
     # sBN is part of the method: with model.name unset, the BatchNorm variant (cnn2_bn)
     model_variant="_bn",
-    # sBN statistics are taken over data.x in index order, whole images
-    variable_size=False,
     paper="Diao, Ding and Tarokh, HeteroFL: Computation and Communication Efficient "
           "Federated Learning for Heterogeneous Clients, ICLR 2021",
 )
