@@ -2,6 +2,7 @@
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -325,6 +326,26 @@ def test_plain_norm_coaching_loss_is_refused_with_the_reason(name):
     with pytest.raises(ConfigError, match="coaching_loss = 'l2'.*exact penalty") as info:
         _sim(f"algorithm.name={name}", "algorithm.coaching_loss=l2")
     assert "pinned to its regularizer" in str(info.value) and "'squared'" in str(info.value)
+
+
+def test_plain_norm_opt_in_for_ablations_warns_and_reaches_the_client():
+    # the f_s-form ablation (bench/README.md) needs the plain norm on purpose: the opt-in
+    # must say what it does and the clients must then coach with ||w - s||, not ||w - s||^2
+    runs = {}
+    for loss in ("squared", "l2"):
+        extra = ("algorithm.coaching_loss=l2", "algorithm.allow_plain_norm=true") if loss == "l2" else ()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sim = _sim("algorithm.name=kapc", "train.rounds=1", *extra)
+            _, up = _record(sim)
+            sim.run()
+        assert any("exact penalty" in str(w.message) for w in caught) == (loss == "l2")
+        runs[loss] = up
+    assert len(runs["l2"]) == len(runs["squared"]) > 0
+    for (cid_a, a, _), (cid_b, b, _) in zip(runs["squared"], runs["l2"], strict=True):
+        assert cid_a == cid_b and a.keys() == b.keys()
+    assert any(not torch.equal(a[k], b[k]) for (_, a, _), (_, b, _) in
+               zip(runs["squared"], runs["l2"], strict=True) for k in a)
 
 
 def test_plain_norm_pins_a_layer_whose_gradient_is_below_lambda():

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
 from edgepfl.algorithms.base import (
     Algorithm,
@@ -88,6 +89,9 @@ class KAPCHyperparameters(Hyperparameters):
         "f_s per layer: squared = ||s - w||^2 (the form the journal writes in Sec. 5.2 and "
         "its smoothness assumption needs); l2 = ||s - w|| (plain norm) is refused with the "
         "reason: an exact penalty that pins every client to its regularizer at lambda = 1"))
+    allow_plain_norm: bool = Field(False, description=(
+        "lift the refusal of coaching_loss = l2, for ablations of the f_s form only (it "
+        "trains only when lambda is below every layer's gradient norm); a warning says so"))
     init: Literal["shared", "per_client"] = Field("shared", description=(
         "the clients' first models: shared = every client starts from the run's one initial "
         "model (as FedAvg and the baselines do); per_client = each client from its own "
@@ -101,12 +105,14 @@ class KAPCHyperparameters(Hyperparameters):
         "leaves its start); spread = f_s alone in spread units (changes the minimiser "
         "towards self-relations; the earlier default) (docs/algorithms.md)"))
 
-    @field_validator("coaching_loss")
-    @classmethod
-    def _refuse_plain_norm(cls, value: str) -> str:
-        if value == "l2":
-            raise ValueError(L2_REFUSED)
-        return value
+    @model_validator(mode="after")
+    def _refuse_plain_norm(self) -> KAPCHyperparameters:
+        if self.coaching_loss == "l2":
+            if not self.allow_plain_norm:
+                raise ValueError(L2_REFUSED)
+            warnings.warn("coaching_loss = 'l2' with allow_plain_norm = true: " + L2_PINS,
+                          stacklevel=2)
+        return self
 
 
 def initial_model(ctx: ServerContext | ClientContext, hp: KAPCHyperparameters, cid: int,
@@ -123,6 +129,9 @@ def initial_model(ctx: ServerContext | ClientContext, hp: KAPCHyperparameters, c
 
 
 # Why coaching_loss = l2 is refused (measured: docs/algorithms.md, "The plain norm is refused").
+L2_PINS = (
+    "the plain norm is an exact penalty; a layer whose cross-entropy gradient norm is "
+    "below lambda stays at its regularizer and does not train")
 L2_REFUSED = (
     "coaching_loss = 'l2' (the plain norm ||s^l - w^l||) is refused: it is an exact penalty. "
     "Its pull lambda (w - s)/||w - s|| has norm lambda at any distance, so a layer whose "
@@ -130,7 +139,8 @@ L2_REFUSED = (
     "Fashion-MNIST) stays pinned to its regularizer, in round 1 the common initial model, "
     "and never trains (15% mean accuracy; 'squared' 58%). The paper's analysis needs f_s "
     "smooth (Assumption 2) and the journal writes lambda ||w - s||^2 (Sec. 5.2): its "
-    "'L2-norm' is coaching_loss = 'squared' (the default); see docs/algorithms.md")
+    "'L2-norm' is coaching_loss = 'squared' (the default); see docs/algorithms.md. An "
+    "ablation of the f_s form may lift this with allow_plain_norm = true")
 
 
 class KAPCBLSHyperparameters(KAPCHyperparameters):
