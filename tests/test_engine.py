@@ -95,6 +95,43 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch)
         assert resumed.summary[key] == whole.summary[key], key
 
 
+def test_a_run_from_before_a_hyperparameter_existed_resumes(tmp_path, monkeypatch):
+    # a newer edgepfl adds an algorithm setting with a default that keeps the old behaviour:
+    # a run written without it (config.json and the checkpoint) must resume, not be refused
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    cfg = fast_config("algorithm.name=fedprox", "train.rounds=3")
+    whole = start_run(cfg, tmp_path / "whole", progress=False)
+    sim = Simulation(cfg, tmp_path / "old", progress=False)
+    real_step = sim.step
+
+    def stop_in_round_2():
+        if sim.round == 1:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(sim, "step", stop_in_round_2)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    run = tmp_path / "old"
+    stored = json.loads((run / "config.json").read_text())
+    del stored["algorithm"]["mu"]
+    (run / "config.json").write_text(json.dumps(stored))
+    with safe_open(str(run / CHECKPOINT), "pt") as f:
+        meta = json.loads(f.metadata()["edgepfl"])
+    del meta["config"]["algorithm"]["mu"]
+    save_file(load_file(str(run / CHECKPOINT)), str(run / CHECKPOINT),
+              metadata={"edgepfl": json.dumps(meta)})
+    resumed = resume_run(run, progress=False)
+    assert _strip(resumed.metrics) == _strip(whole.metrics)
+    # a stored value that differs from today's default is still a different configuration
+    stored["algorithm"]["mu"] = 0.5
+    (run / "config.json").write_text(json.dumps(stored))
+    with pytest.raises(ConfigError, match="algorithm.mu"):
+        resume_run(run, cfg, progress=False)
+
+
 def test_resume_with_a_different_config_is_refused(tmp_path):
     cfg = fast_config("train.rounds=2")
     start_run(cfg, tmp_path / "run", progress=False)

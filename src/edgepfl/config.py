@@ -358,9 +358,24 @@ def without_rounds(cfg: dict) -> dict:
 
 def comparable(cfg: dict) -> dict:
     """A stored configuration with the defaults of settings added since it was written
-    (a run from before ``topology`` existed was a star), without ``train.rounds``."""
+    (a run from before ``topology`` existed was a star; a run of ``kapc`` from before
+    ``algorithm.allow_plain_norm`` existed did not lift the refusal), without
+    ``train.rounds``."""
     try:
-        full = build_config(cfg).model_dump()
+        built = build_config(cfg)
     except ConfigError:
-        full = cfg
+        return without_rounds(cfg)
+    full = built.model_dump()
+    # the algorithm's own settings are free keys here; its hyperparameter model has their
+    # defaults (imported late: the algorithms import this module)
+    from edgepfl.algorithms import ALGORITHMS
+
+    algo = ALGORITHMS.get(built.algorithm.name)
+    if algo is not None:
+        try:
+            hp = algo.parse_hyperparameters(built.algorithm.hyperparameters())
+        except ConfigError:
+            pass
+        else:
+            full["algorithm"] = {"name": built.algorithm.name, **hp.model_dump()}
     return without_rounds(full)

@@ -690,8 +690,10 @@ class Rounds:
             raise EdgepflError(f"{path} is not a valid edgepfl checkpoint: its metadata is "
                                f"malformed ({type(exc).__name__}: {exc})") from None
         # train.rounds may have grown (an extended run): nothing in a round depends on it
-        if config_diff(comparable(config), comparable(self.cfg.model_dump())):
-            raise EdgepflError(f"{path} belongs to a different configuration than this run's")
+        diff = config_diff(comparable(config), comparable(self.cfg.model_dump()))
+        if diff:
+            raise EdgepflError(f"{path} belongs to a different configuration than this "
+                               "run's:\n  " + "\n  ".join(diff))
         if rnd > self.cfg.train.rounds:
             raise EdgepflError(f"{path} is at round {rnd}, past train.rounds={self.cfg.train.rounds}")
         t, stored = self.cfg.train, config.get("train", {})
