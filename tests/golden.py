@@ -39,7 +39,7 @@ def run_case(overrides: list[str]) -> dict:
     result = Simulation(build_config({}, BASE + overrides), progress=False).run()
     rows = [{k: v for k, v in r.items() if k != "wall_s"} for r in result.metrics]
     keep = {k: v for k, v in result.summary.items()
-            if k not in ("wall_time_s", "peak_rss_bytes", "edgepfl_version")}
+            if k not in ("wall_time_s", "peak_rss_bytes", "edgepfl_version", "host")}
     return {"metrics": rows, "summary": keep}
 
 

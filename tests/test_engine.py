@@ -285,3 +285,14 @@ def test_a_client_without_a_named_prediction_is_left_out_of_that_figure(monkeypa
     assert row["acc_global_mean"] == pytest.approx(0.8)
     assert row["acc_global_min"] == pytest.approx(0.8)
     assert row["loss_global"] == pytest.approx(0.4)
+
+
+def test_the_summary_says_which_machine_and_torch_computed_the_run(tmp_path):
+    # CPU float results differ in the last bits across processor models and torch versions
+    # (enough to flip a near-tie prediction): a kept run must say where it came from
+    import torch
+
+    start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)
+    host = json.loads((tmp_path / "run" / "summary.json").read_text())["host"]
+    assert host["torch"] == torch.__version__ and host["torch_threads"] == torch.get_num_threads()
+    assert isinstance(host["cpu"], str) and host["cpu"] and host["cpus"] >= 1

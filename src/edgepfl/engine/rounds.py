@@ -38,7 +38,14 @@ from edgepfl.federation.faults import draw_faults
 from edgepfl.federation.messages import Message, MessageError, check_finite
 from edgepfl.federation.topology import CLOUD
 from edgepfl.io import write_csv
-from edgepfl.system import COST_COLUMNS, FlopMeter, SystemModel, cost_totals, state_bytes
+from edgepfl.system import (
+    COST_COLUMNS,
+    FlopMeter,
+    SystemModel,
+    cost_totals,
+    host_info,
+    state_bytes,
+)
 from edgepfl.system.cost import EdgeStep
 
 log = logging.getLogger("edgepfl")
@@ -621,7 +628,7 @@ class Rounds:
         out["server_state_bytes"] = self.server_state_bytes
         out.update(extra)
         out.update({"model_params": self.parts.layers.numel, "layers": self.parts.layers.names,
-                    "edgepfl_version": __version__})
+                    "edgepfl_version": __version__, "host": host_info()})
         return out
 
     def write_failures(self, out_dir: Path) -> None:

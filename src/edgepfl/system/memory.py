@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import resource
 import sys
 from collections.abc import Iterable, Mapping
@@ -34,3 +36,20 @@ def peak_rss_bytes() -> int:
     """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def host_info() -> dict[str, object]:
+    """What machine and library computed a run: float results on a CPU can differ in the
+    last bits from one processor model (its vector kernels) or torch version to another,
+    which is enough to flip a near-tie prediction or a threshold decision, so a kept run
+    says where it came from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "os": platform.system()}
