@@ -71,21 +71,25 @@ def test_same_seed_same_run_other_seed_other_run():
     assert _strip(a.metrics) != _strip(c.metrics)
 
 
+def _crash_after(sim: Simulation, rounds: int, monkeypatch) -> None:
+    """Run ``sim`` until it is interrupted in the round after ``rounds`` (a crash)."""
+    real_step = sim.step
+
+    def crash():
+        if sim.round == rounds:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(sim, "step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+
+
 def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     cfg = fast_config("algorithm.name=fedprox", "train.rounds=4", "train.participation=0.5")
     whole = start_run(cfg, tmp_path / "whole", progress=False)
 
-    sim = Simulation(cfg, tmp_path / "cut", progress=False)
-    real_step = sim.step
-
-    def crash_in_round_3():
-        if sim.round == 2:
-            raise KeyboardInterrupt
-        return real_step()
-
-    monkeypatch.setattr(sim, "step", crash_in_round_3)
-    with pytest.raises(KeyboardInterrupt):
-        sim.run()
+    _crash_after(Simulation(cfg, tmp_path / "cut", progress=False), 2, monkeypatch)
     with open(tmp_path / "cut" / "metrics.csv") as f:
         assert len(list(csv.DictReader(f))) == 2  # what was written before the crash is intact
     resumed = resume_run(tmp_path / "cut", progress=False)
@@ -103,17 +107,7 @@ def test_a_run_from_before_a_hyperparameter_existed_resumes(tmp_path, monkeypatc
 
     cfg = fast_config("algorithm.name=fedprox", "train.rounds=3")
     whole = start_run(cfg, tmp_path / "whole", progress=False)
-    sim = Simulation(cfg, tmp_path / "old", progress=False)
-    real_step = sim.step
-
-    def stop_in_round_2():
-        if sim.round == 1:
-            raise KeyboardInterrupt
-        return real_step()
-
-    monkeypatch.setattr(sim, "step", stop_in_round_2)
-    with pytest.raises(KeyboardInterrupt):
-        sim.run()
+    _crash_after(Simulation(cfg, tmp_path / "old", progress=False), 1, monkeypatch)
     run = tmp_path / "old"
     stored = json.loads((run / "config.json").read_text())
     del stored["algorithm"]["mu"]
