@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from grid_runs import finished_runs
+from grid_runs import finished_runs, unnamed_settings
 
 # KAPC journal paper, Table 1 (10 clients, best mean accuracy, %)
 PAPER = {
@@ -86,8 +86,9 @@ def main(roots: list[Path]) -> None:
                 # Table 1 is the 10-client, 10%-of-the-data Dirichlet scenario only (an IID
                 # run's config still carries the default alpha)
                 paper = None
-            if cfg["algorithm"].get("evaluate") == "local" and "evaluate=local" not in label:
-                label += " (local eval)"
+            # a setting the run's name does not say, e.g. FedAvg's evaluate=local, or a
+            # default that has changed since the run was made
+            label += unnamed_settings(cfg, label)
             best = 100 * mean([s["acc_mean_best"] for s in sums])
             print(f"| {name} | {label} | {len(sums)} | {sums[0]['rounds']} | "
                   f"{pm([s['acc_mean_best'] for s in sums])} | "

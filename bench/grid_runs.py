@@ -3,6 +3,12 @@
 A grid root holds ``<grid>/<run>-seed<k>/`` folders (bench/run_one.sh); kept runs from
 earlier sessions (bench/keep_results.py) and new ones are read together, merged by grid
 folder name; a run present in more than one root is taken from the first root.
+
+A run's name says only the settings its grid line gave; the rest are the defaults of the
+day it ran. So the seeds of one name are checked to share every setting but the seed
+(a default changed between two sessions must not average two methods into one row), and
+``unnamed_settings`` tells a collector which of a run's algorithm settings differ from
+today's defaults without being in its name.
 """
 
 from __future__ import annotations
@@ -44,4 +50,54 @@ def finished_runs(roots: list[Path]) -> dict[str, dict[str, list[Path]]]:
             m = re.fullmatch(r"(.+)-seed(\d+)", run_name)
             if m:
                 runs.setdefault(m.group(1), []).append(run)
+        for label, dirs in runs.items():
+            check_same_settings(f"{name}/{label}", dirs)
     return merged
+
+
+def settings(run: Path) -> dict:
+    """A run's configuration with today's defaults for settings added since it ran, without
+    its seed, how it executed (rounds, device, workers) and what it wrote (output.*)."""
+    import warnings
+
+    from edgepfl.config import comparable
+
+    with warnings.catch_warnings():  # an ablation's settings warn each time they are read
+        warnings.simplefilter("ignore")
+        cfg = comparable(json.loads((run / "config.json").read_text()))
+    for key in ("seed", "output"):
+        cfg.pop(key, None)
+    return cfg
+
+
+def check_same_settings(what: str, dirs: list[Path]) -> None:
+    from edgepfl.config import config_diff
+
+    first = settings(dirs[0])
+    for other in dirs[1:]:
+        diff = config_diff(first, settings(other))
+        if diff:
+            raise SystemExit(f"{what}: {dirs[0]} and {other} differ in more than the seed, so "
+                             f"they are not seeds of one method:\n  " + "\n  ".join(diff)
+                             + "\nrename one of them (bench/run_one.sh names a run by the "
+                             "settings its grid line gives) or collect them apart")
+
+
+def unnamed_settings(cfg: dict, label: str) -> str:
+    """' (lam=1.0)' for the algorithm settings of ``cfg`` that differ from today's defaults
+    and are not spelled in the run's ``label``; '' when there are none."""
+    from edgepfl.algorithms import ALGORITHMS
+    from edgepfl.errors import ConfigError
+
+    stored = dict(cfg.get("algorithm", {}))
+    algo = ALGORITHMS.get(stored.pop("name", None))
+    if algo is None:
+        return ""
+    try:
+        defaults = algo.parse_hyperparameters({}).model_dump()  # today's defaults
+    except ConfigError:
+        return ""
+    named = {part.split("=")[0] for part in label.split("+")[1:]}
+    notes = [f"{k}={v}" for k, v in stored.items()
+             if k in defaults and v != defaults[k] and k not in named]
+    return f" ({', '.join(notes)})" if notes else ""

@@ -5,7 +5,8 @@
 #   (the run goes to DIR/fedprox+evaluate=local+mu=0.1-seed<SEED>); key=value are config
 #   settings for every run of the grid (dataset.name=fmnist, train.rounds=50, ...); the
 #   SPEC's own settings win over them.
-# A finished run (summary.json present, here or kept under bench/results/) is skipped, an interrupted one resumed from its
+# A finished run (summary.json present, here or kept under bench/results/ with the settings
+# asked: bench/kept_matches.py) is skipped, an interrupted one resumed from its
 # checkpoint, so a grid can be stopped and restarted at will. One torch thread per run:
 # two runs side by side beat one run on two threads on the project machine.
 set -euo pipefail
@@ -27,7 +28,13 @@ run="$dir/$name-seed$seed"
 if [[ -f "$run/summary.json" ]]; then echo "done already: $run"; exit 0; fi
 # a run kept in the repository by an earlier session (bench/keep_results.py) is done too
 kept="$(dirname "$0")/results/${run#runs/}"
-if [[ "$run" == runs/* && -f "$kept/summary.json" ]]; then echo "kept already: $kept"; exit 0; fi
+# (with the same settings: a default changed since then makes it another method)
+if [[ "$run" == runs/* && -f "$kept/summary.json" ]]; then
+  if python "$(dirname "$0")/kept_matches.py" "$kept" "${sets[@]}"; then
+    echo "kept already: $kept"; exit 0
+  fi
+  echo "not run: rename the kept run or this grid line's (above)" >&2; exit 1
+fi
 if [[ -f "$run/checkpoint.safetensors" ]]; then
   echo "resuming $run"
   exec edgepfl run --resume "$run" --quiet --threads 1
