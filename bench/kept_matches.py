@@ -16,10 +16,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from grid_runs import settings
-
 from edgepfl.config import build_config, comparable, config_diff
 from edgepfl.engine.parts import resolve
+from grid_runs import settings
 
 
 def main() -> int:
