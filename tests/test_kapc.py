@@ -527,8 +527,9 @@ def test_bls_server_sends_only_the_prefix_a_client_uploaded_last():
 def test_a_low_omega_no_longer_holds_accuracy_far_under_kapc():
     # IID, cnn_small: Omega falls to 2 of 4 layers. Coached towards the server's stale
     # copies of fc1/fc2 (fc2 never uploaded: the initial weights), BLS ended 25-30 points
-    # under KAPC; coached towards its own weights there (Eq. 20) it matches KAPC.
-    common = ("partition.scheme=iid", "train.rounds=15")
+    # under KAPC; coached towards its own weights there (Eq. 20) it matches KAPC. At the
+    # lambda the starvation was found at (1; the default 0.1 pulls ten times as softly)
+    common = ("partition.scheme=iid", "train.rounds=15", "algorithm.lam=1")
     kapc = _sim("algorithm.name=kapc", *common).run()
     bls = _sim("algorithm.name=kapc_bls", *common).run()
     stale = _sim("algorithm.name=kapc_bls", "algorithm.prefix_down=false", *common).run()
@@ -663,7 +664,8 @@ def test_round_metrics_and_artifacts(tmp_path):
 def test_registered_with_the_papers_defaults_and_typed_choices():
     assert {"kapc", "kapc_bls"} <= set(ALGORITHMS)
     hp = get_algorithm("kapc_bls").hyperparameters()
-    assert (hp.lam, hp.beta, hp.r_lr, hp.r_epochs, hp.mu) == (1.0, 0.01, 0.01, 1, 0.7)
+    # lambda: the paper centres on 1; 0.1 measured better in every setting tried
+    assert (hp.lam, hp.beta, hp.r_lr, hp.r_epochs, hp.mu) == (0.1, 0.01, 0.01, 1, 0.7)
     assert (hp.r_init, hp.coaching_loss, hp.r_grad_scale, hp.select_layers) == (
         "uniform", "squared", "precondition", True)
     assert (hp.prefix_down, hp.refresh_every) == (True, 0)
@@ -717,9 +719,10 @@ def _raw_step(r, gram, hp, n):
 def test_preconditioned_steps_reach_the_minimiser_of_the_papers_objective():
     # a different step size per layer, the same objective: where the preconditioned
     # iteration settles, the paper's raw projected gradient step (Eq. 12) does not move
+    # (at lambda = 1; at 0.1 it holds too, after 10,000 steps)
     n = 6
     gram = _layers_gram([1e-3, 0.05, 2.0], n=n)
-    hp = KAPCHyperparameters(r_grad_scale="precondition", r_epochs=3000)
+    hp = KAPCHyperparameters(r_grad_scale="precondition", r_epochs=3000, lam=1.0)
     r = relation_step(torch.full((n, 3, n), 1.0 / n, dtype=torch.float64), gram, hp, n)
     torch.testing.assert_close(_raw_step(r, gram, hp, n), r, atol=1e-9, rtol=0)
     # the "spread" choice changes the objective: its fixed point is not the paper's
