@@ -1,0 +1,68 @@
+"""Two runs of a grid compared seed by seed (same split, same initial model): what one
+setting changes against another, without the spread between seeds in the way.
+
+    python bench/collect_pairs.py A B ROOT [ROOT ...]
+    python bench/collect_pairs.py kapc kapc+lam=0.1 bench/results/table1p bench/results/ablation
+
+A and B are run names without the seed (bench/run_one.sh names); every grid folder and seed
+where both finished gives a row: best mean accuracy, final mean accuracy and each client's
+own best (the paper's statistic), A -> B and the difference.
+Roots are merged as by the collectors (bench/grid_runs.py): the first root holding a run wins.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from grid_runs import is_finished
+
+
+def runs(roots: list[Path], name: str) -> dict[tuple[str, str], Path]:
+    """{(grid folder, seed): run folder} of run name ``name``."""
+    found: dict[tuple[str, str], Path] = {}
+    for root in roots:
+        for run in sorted(root.glob(f"*/{name}-seed*")):
+            seed = run.name[len(name) + len("-seed"):]
+            if seed.isdigit() and is_finished(run):
+                found.setdefault((run.parent.name, seed), run)
+    return found
+
+
+def pct(summary: dict, key: str) -> float | None:
+    value = summary.get(key)
+    return None if value is None else 100 * value
+
+
+def cell(a: float | None, b: float | None) -> str:
+    if a is None or b is None:
+        return f"{'-' if a is None else f'{a:.2f}'} -> {'-' if b is None else f'{b:.2f}'}"
+    return f"{a:.2f} -> {b:.2f} ({b - a:+.2f})"
+
+
+def main(a: str, b: str, roots: list[Path]) -> None:
+    left, right = runs(roots, a), runs(roots, b)
+    keys = sorted(set(left) & set(right))
+    if not keys:
+        raise SystemExit(f"no grid folder and seed has both {a!r} and {b!r} finished")
+    print(f"| grid | seed | best mean: {a} -> {b} | final mean | each client's best |")
+    print("|---|---|---|---|---|")
+    gains = []
+    for grid, seed in keys:
+        sa = json.loads((left[grid, seed] / "summary.json").read_text())
+        sb = json.loads((right[grid, seed] / "summary.json").read_text())
+        gains.append(100 * (sb["acc_mean_best"] - sa["acc_mean_best"]))
+        print(f"| {grid} | {seed} | {cell(pct(sa, 'acc_mean_best'), pct(sb, 'acc_mean_best'))} | "
+              f"{cell(pct(sa, 'acc_mean_final'), pct(sb, 'acc_mean_final'))} | "
+              f"{cell(pct(sa, 'acc_client_best_mean'), pct(sb, 'acc_client_best_mean'))} |")
+    print(f"\n{len(gains)} pairs; best mean {b} - {a}: mean {statistics.fmean(gains):+.2f}, "
+          f"min {min(gains):+.2f}, max {max(gains):+.2f}; {sum(g > 0 for g in gains)} up, "
+          f"{sum(g < 0 for g in gains)} down")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        raise SystemExit(__doc__)
+    main(sys.argv[1], sys.argv[2], [Path(p) for p in sys.argv[3:]])
