@@ -17,18 +17,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from grid_runs import is_finished
+from grid_runs import finished_runs
 
 
-def runs(roots: list[Path], name: str) -> dict[tuple[str, str], Path]:
+def runs(grids: dict[str, dict[str, list[Path]]], name: str) -> dict[tuple[str, str], Path]:
     """{(grid folder, seed): run folder} of run name ``name``."""
-    found: dict[tuple[str, str], Path] = {}
-    for root in roots:
-        for run in sorted(root.glob(f"*/{name}-seed*")):
-            seed = run.name[len(name) + len("-seed"):]
-            if seed.isdigit() and is_finished(run):
-                found.setdefault((run.parent.name, seed), run)
-    return found
+    return {(grid, run.name.rsplit("-seed", 1)[1]): run
+            for grid, found in grids.items() for run in found.get(name, [])}
 
 
 def pct(summary: dict, key: str) -> float | None:
@@ -43,7 +38,8 @@ def cell(a: float | None, b: float | None) -> str:
 
 
 def main(a: str, b: str, roots: list[Path]) -> None:
-    left, right = runs(roots, a), runs(roots, b)
+    grids = finished_runs(roots)
+    left, right = runs(grids, a), runs(grids, b)
     keys = sorted(set(left) & set(right))
     if not keys:
         raise SystemExit(f"no grid folder and seed has both {a!r} and {b!r} finished")

@@ -58,13 +58,18 @@ def finished_runs(roots: list[Path]) -> dict[str, dict[str, list[Path]]]:
 def settings(run: Path) -> dict:
     """A run's configuration with today's defaults for settings added since it ran, without
     its seed, how it executed (rounds, device, workers) and what it wrote (output.*)."""
+    return settings_of(json.loads((run / "config.json").read_text()))
+
+
+def settings_of(cfg: dict) -> dict:
+    """``settings`` of a configuration given as a dict (stored or asked for)."""
     import warnings
 
     from edgepfl.config import comparable
 
     with warnings.catch_warnings():  # an ablation's settings warn each time they are read
         warnings.simplefilter("ignore")
-        cfg = comparable(json.loads((run / "config.json").read_text()))
+        cfg = comparable(cfg)
     for key in ("seed", "output"):
         cfg.pop(key, None)
     return cfg

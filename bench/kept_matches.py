@@ -16,9 +16,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from edgepfl.config import build_config, comparable, config_diff
+from edgepfl.config import build_config, config_diff
 from edgepfl.engine.parts import resolve
-from grid_runs import settings
+from grid_runs import settings_of
 
 
 def main() -> int:
@@ -28,14 +28,12 @@ def main() -> int:
     args = parser.parse_args()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        asked = comparable(resolve(build_config({}, args.sets)).model_dump())
+        asked = resolve(build_config({}, args.sets)).model_dump()
     stored = json.loads((args.run / "config.json").read_text())
-    seed = asked.pop("seed", None)
-    asked.pop("output", None)
-    diff = config_diff(settings(args.run), asked)
-    if stored.get("seed") != seed:
-        diff.append(f"seed: run has {stored.get('seed')!r}, given {seed!r}")
-    rounds = build_config({}, args.sets).train.rounds
+    diff = config_diff(settings_of(stored), settings_of(asked))
+    if stored.get("seed") != asked["seed"]:
+        diff.append(f"seed: run has {stored.get('seed')!r}, given {asked['seed']!r}")
+    rounds = asked["train"]["rounds"]
     if stored["train"]["rounds"] != rounds:
         diff.append(f"train.rounds: run has {stored['train']['rounds']!r}, given {rounds!r}")
     if diff:
