@@ -3,10 +3,13 @@ setting changes against another, without the spread between seeds in the way.
 
     python bench/collect_pairs.py A B ROOT [ROOT ...]
     python bench/collect_pairs.py kapc kapc+lam=0.1 bench/results/table1p bench/results/ablation
+    python bench/collect_pairs.py --methods local kapc bench/results/table1p bench/results/ablation
 
 A and B are run names without the seed (bench/run_one.sh names); every grid folder and seed
 where both finished gives a row: best mean accuracy, final mean accuracy and each client's
 own best (the paper's statistic), A -> B and the difference.
+With ``--methods``, A and B are what the runs ran in today's terms rather than their names
+(bench/grid_runs.py ``method_label``: ``kapc`` at today's default lambda, ``kapc+lam=1.0``).
 Roots are merged as by the collectors (bench/grid_runs.py): the first root holding a run wins.
 """
 
@@ -17,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from grid_runs import finished_runs
+from grid_runs import finished_runs, runs_by_method
 
 
 def runs(grids: dict[str, dict[str, list[Path]]], name: str) -> dict[tuple[str, str], Path]:
@@ -37,9 +40,17 @@ def cell(a: float | None, b: float | None) -> str:
     return f"{a:.2f} -> {b:.2f} ({b - a:+.2f})"
 
 
-def main(a: str, b: str, roots: list[Path]) -> None:
-    grids = finished_runs(roots)
-    left, right = runs(grids, a), runs(grids, b)
+def method_runs(roots: list[Path], label: str) -> dict[tuple[str, str], Path]:
+    return {(grid, str(seed)): run for grid, methods in runs_by_method(roots).items()
+            for seed, run in methods.get(label, {}).items()}
+
+
+def main(a: str, b: str, roots: list[Path], methods: bool = False) -> None:
+    if methods:
+        left, right = method_runs(roots, a), method_runs(roots, b)
+    else:
+        grids = finished_runs(roots)
+        left, right = runs(grids, a), runs(grids, b)
     keys = sorted(set(left) & set(right))
     if not keys:
         raise SystemExit(f"no grid folder and seed has both {a!r} and {b!r} finished")
@@ -59,6 +70,9 @@ def main(a: str, b: str, roots: list[Path]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4:
+    args = sys.argv[1:]
+    by_method = args[:1] == ["--methods"]
+    args = args[1:] if by_method else args
+    if len(args) < 3:
         raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2], [Path(p) for p in sys.argv[3:]])
+    main(args[0], args[1], [Path(p) for p in args[2:]], by_method)

@@ -2,6 +2,7 @@
 
     python bench/collect_table1.py runs/table1 > table.md
     python bench/collect_table1.py bench/results/table1 runs/table1 > table.md
+    python bench/collect_table1.py --methods bench/results/table1p bench/results/ablation
 
 Several roots are merged by grid folder name (bench/grid_runs.py): runs kept from earlier
 sessions (bench/keep_results.py) and new ones are collected together.
@@ -10,6 +11,11 @@ One row per (folder, run name): best and final mean accuracy (mean ± std over t
 final std and worst client, each client's own best round averaged (the paper's protocol for
 Local and FedAvg; runs kept before it was recorded show '-'), MB up/down, BLS layer counts where recorded, and the paper's
 Table 1 value for the same data set and alpha where it has one.
+
+``--methods`` prints one compact table per grid folder instead, with runs grouped by what
+they ran in today's terms (``grid_runs.method_label``: ``kapc`` is today's default lambda
+whatever the run was named, ``kapc+lam=1.0`` the paper's), both protocols' statistics, the
+spread across clients and each seed's figure.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from grid_runs import finished_runs, unnamed_settings
+from grid_runs import finished_runs, runs_by_method, unnamed_settings
 
 # KAPC journal paper, Table 1 (10 clients, best mean accuracy, %)
 PAPER = {
@@ -102,5 +108,41 @@ def main(roots: list[Path]) -> None:
                   f"{'' if paper is None else f'{best - paper:+.2f}'} |")
 
 
+ORDER = ["kapc", "kapc_bls", "local", "fedavg", "fedprox", "fedamp"]
+
+
+def by_method(roots: list[Path]) -> None:
+    for grid, methods in runs_by_method(roots).items():
+        all_seeds = sorted({seed for seeds in methods.values() for seed in seeds})
+        print(f"\n{grid}\n")
+        print("| algorithm | seeds | best round of the mean (ours) | final round | each client's "
+              "best (paper's) | final std / worst client | best of the mean per seed "
+              f"{' / '.join(map(str, all_seeds))} | paper |")
+        print("|---|---|---|---|---|---|---|---|")
+
+        def order(label: str) -> tuple:
+            algo = label.split("+")[0]
+            return (ORDER.index(algo) if algo in ORDER else len(ORDER), algo, len(label), label)
+
+        for label in sorted(methods, key=order):
+            seeds = methods[label]
+            sums = [json.loads((d / "summary.json").read_text()) for d in seeds.values()]
+            cfg = json.loads((next(iter(seeds.values())) / "config.json").read_text())
+            paper = PAPER.get((cfg["dataset"]["name"], str(cfg["partition"]["alpha"])), {}) \
+                .get(cfg["algorithm"]["name"])
+            per_seed = {seed: 100 * s["acc_mean_best"] for seed, s in zip(seeds, sums, strict=True)}
+            print(f"| {label} | {','.join(map(str, seeds))} | "
+                  f"{pm([s['acc_mean_best'] for s in sums])} | "
+                  f"{pm([s['acc_mean_final'] for s in sums])} | {client_best(sums)} | "
+                  f"{100 * mean([s['acc_std_final'] for s in sums]):.2f} / "
+                  f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | "
+                  + " / ".join(f"{per_seed[k]:.2f}" if k in per_seed else "-" for k in all_seeds)
+                  + f" | {'' if paper is None else f'{paper:.2f}'} |")
+
+
 if __name__ == "__main__":
-    main([Path(a) for a in sys.argv[1:]] or [Path("runs/table1")])
+    args = sys.argv[1:]
+    if args[:1] == ["--methods"]:
+        by_method([Path(a) for a in args[1:]] or [Path("runs/table1")])
+    else:
+        main([Path(a) for a in args] or [Path("runs/table1")])

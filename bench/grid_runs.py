@@ -8,7 +8,10 @@ A run's name says only the settings its grid line gave; the rest are the default
 day it ran. So the seeds of one name are checked to share every setting but the seed
 (a default changed between two sessions must not average two methods into one row), and
 ``unnamed_settings`` tells a collector which of a run's algorithm settings differ from
-today's defaults without being in its name.
+today's defaults without being in its name. ``runs_by_method`` regroups them by what they
+ran rather than by name (``method_label``), so that runs named under another day's defaults
+(``kapc+lam=0.1`` before lambda's default became 0.1, ``kapc`` at the old lambda = 1) meet
+the runs of the same method named today.
 """
 
 from __future__ import annotations
@@ -106,3 +109,36 @@ def unnamed_settings(cfg: dict, label: str) -> str:
     notes = [f"{k}={v}" for k, v in stored.items()
              if k in defaults and v != defaults[k] and k not in named]
     return f" ({', '.join(notes)})" if notes else ""
+
+
+def method_label(cfg: dict, run_name: str) -> str:
+    """What a run ran, in today's terms: the algorithm, the full config keys its name gives
+    (``model.name=cnn2_bn``) and every algorithm setting that differs from today's
+    defaults, e.g. ``kapc+lam=1.0`` for a run named ``kapc`` before lambda's default
+    changed, and ``kapc`` for one named ``kapc+lam=0.1`` since."""
+    algo = cfg.get("algorithm", {}).get("name", run_name.split("+")[0])
+    dotted = [part for part in run_name.split("+")[1:] if "." in part.split("=")[0]]
+    notes = unnamed_settings(cfg, algo)[2:-1]  # ' (lam=1.0, mu=0.1)' -> 'lam=1.0, mu=0.1'
+    return "+".join([algo, *dotted, *(notes.split(", ") if notes else [])])
+
+
+def runs_by_method(roots: list[Path]) -> dict[str, dict[str, dict[int, Path]]]:
+    """{grid folder: {method_label: {seed: run folder}}}: the finished runs of
+    ``finished_runs`` regrouped by what they ran. Two runs of one method and seed (under two
+    names) must have the same settings; the first found is taken."""
+    grouped: dict[str, dict[str, dict[int, Path]]] = {}
+    for grid, found in finished_runs(roots).items():
+        methods = grouped.setdefault(grid, {})
+        for name, dirs in found.items():
+            for run in dirs:
+                cfg = json.loads((run / "config.json").read_text())
+                seeds = methods.setdefault(method_label(cfg, name), {})
+                seed = int(cfg["seed"])
+                if seed in seeds:
+                    check_same_settings(f"{grid}/{method_label(cfg, name)}", [seeds[seed], run])
+                else:
+                    seeds[seed] = run
+        for label, seeds in methods.items():
+            methods[label] = dict(sorted(seeds.items()))
+            check_same_settings(f"{grid}/{label}", list(methods[label].values()))
+    return grouped
