@@ -290,3 +290,19 @@ def test_the_summary_says_which_machine_and_torch_computed_the_run(tmp_path):
     host = json.loads((tmp_path / "run" / "summary.json").read_text())["host"]
     assert host["torch"] == torch.__version__ and host["torch_threads"] == torch.get_num_threads()
     assert isinstance(host["cpu"], str) and host["cpu"] and host["cpus"] >= 1
+
+
+def test_a_diverged_client_is_reported_once_and_a_sound_run_is_not(caplog):
+    """A blown-up local training shows in the log when it happens, not only as a later
+    accuracy collapse that reads like the method's (ClusterFL at lr 0.05, bench/README)."""
+    sound = Simulation(fast_config("train.rounds=2"), progress=False)
+    with caplog.at_level("WARNING", logger="edgepfl"):
+        sound.run()
+    assert not [r for r in caplog.records if "diverged" in r.getMessage()]
+    caplog.clear()
+    blown = Simulation(fast_config("train.rounds=3", "train.lr=100"), progress=False)
+    with caplog.at_level("WARNING", logger="edgepfl"):
+        blown.run()
+    said = [r.getMessage() for r in caplog.records if "diverged" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("round 1: training loss")
+    assert blown.metrics[0]["train_loss"] > 10 * math.log(10)

@@ -49,6 +49,10 @@ from edgepfl.system import (
 from edgepfl.system.cost import EdgeStep
 
 log = logging.getLogger("edgepfl")
+# a round's training loss this many times a uniform guess's cross-entropy, log(classes),
+# or not finite, is taken as a diverged client: an initial classifier is near log(classes)
+# and training that works lowers it (regularizers add little on top)
+DIVERGED = 10.0
 
 LINK_COLUMNS = ["bytes_up_client", "bytes_down_client", "bytes_up_edge", "bytes_down_edge"]
 METRIC_COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss",
@@ -205,6 +209,7 @@ class Rounds:
         self.edges: list[Edge] = [parts.edge(k) for k in range(fed.edges)]
         self.round = 0
         self.metrics: list[dict] = []
+        self._divergence_warned = False
         self.client_acc: list[float] = []
         self.bytes_up = np.zeros(n, dtype=np.int64)  # client -> its parent
         self.bytes_down = np.zeros(n, dtype=np.int64)
@@ -292,6 +297,8 @@ class Rounds:
             row, losses = self._star_round(rnd, selected)
         row["train_loss"] = (float(np.average([v for v, _ in losses], weights=[w for _, w in losses]))
                              if losses else math.nan)
+        if losses:
+            self._warn_if_diverged(rnd, row["train_loss"])
         row["lr"] = round_lr(cfg, rnd)
         self.server_state_bytes = max(self.server_state_bytes, self._state_bytes())
         if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
@@ -305,6 +312,17 @@ class Rounds:
         self.round = rnd
         self.metrics.append(row)
         return row
+
+    def _warn_if_diverged(self, rnd: int, loss: float) -> None:
+        """Once a run, say that a client's training blew up (too high a rate for it): the
+        accuracy columns show it only later, as a collapse that can look like the method's."""
+        guess = math.log(max(self.parts.num_classes, 2))
+        if self._divergence_warned or (math.isfinite(loss) and loss <= DIVERGED * guess):
+            return
+        self._divergence_warned = True
+        log.warning("round %d: training loss %.4g, over %g times a uniform guess's %.3g: a "
+                    "client's local training has diverged (lower train.lr, or check the data)",
+                    rnd, loss, DIVERGED, guess)
 
     def _train(self, step: object, down: dict[int, Message], losses: list) -> Delivery:
         """Deliver ``down`` to its clients, less the ones the fault model drops, and collect
