@@ -23,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from grid_runs import finished_runs
+from grid_runs import finished_runs, unnamed_settings
 
 # Zhang et al., Table IV (arbitrary image sizes) and Table V (regular sizes), accuracy
 PAPER = {
@@ -45,13 +45,14 @@ def mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def pm(values: list[float | None]) -> str:
-    """Mean over seeds in %, with the standard deviation across seeds when there are several;
-    '-' when a seed lacks the figure."""
+def pm(values: list[float | None], scale: float = 100) -> str:
+    """Mean over seeds (in % by default), with the standard deviation across seeds when
+    there are several; '-' when a seed lacks the figure."""
     if not values or any(v is None for v in values):
         return "-"
-    m = f"{100 * mean(values):.2f}"
-    return m + (f" ± {100 * statistics.stdev(values):.2f}" if len(values) > 1 else "")
+    digits = 2 if scale == 100 else 0 if all(float(v).is_integer() for v in values) else 1
+    m = f"{scale * mean(values):.{digits}f}"
+    return m + (f" ± {scale * statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
 
 
 def tier_final(run: Path, summary: dict) -> dict[str, float | None]:
@@ -107,10 +108,11 @@ def rounds_run(sums: list[dict]) -> str:
 
 def main(roots: list[Path]) -> None:
     print("| runs | table | algorithm | seeds | rounds run | best mean acc | final mean acc | "
-          "final std | final worst | final Com / Ord / Sup | final weak / ord. / sup. devices | "
+          "final std | final worst | clients Com / Ord / Sup | final Com / Ord / Sup | "
+          "final weak / ord. / sup. devices | "
           "Ord model, all test splits | MB up | MB up Com / Ord / Sup | "
           "MB up weak / ord. / sup. devices | paper | ours (best) - paper |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, runs in finished_runs(roots).items():
         for label, dirs in runs.items():
             sums = [json.loads((d / "summary.json").read_text()) for d in dirs]
@@ -121,6 +123,9 @@ def main(roots: list[Path]) -> None:
             paper = PAPER.get((kind, cfg["dataset"]["name"]), {}).get(algo)
             protocol = (cfg["partition"]["clients"], cfg["dataset"]["fraction"]) == (60, 1.0)
             tiers = [tier_final(d, s) for d, s in zip(dirs, sums, strict=True)]
+            # the tiers the ranking gave: tier_ratio of every client only if all were timed
+            counts = " / ".join(pm([s["tiers"][k] for s in sums], 1) for k in TIERS) \
+                if all("tiers" in s for s in sums) else "-"
             per_tier = " / ".join(pm([t.get(k) for t in tiers]) for k in TIERS) \
                 if all(tiers) else "-"
             mb = " / ".join(f"{mean([s[f'bytes_up_{k}_total'] for s in sums]) / 1e6:.1f}"
@@ -133,11 +138,12 @@ def main(roots: list[Path]) -> None:
                                 for k in DEVICES) if full else "-"
             best = mean([s["acc_mean_best"] for s in sums])
             diff = f"{100 * (best - paper):+.2f}" if paper is not None and protocol else ""
-            print(f"| {name} | {table} | {label} | {len(sums)} | {rounds_run(sums)} | "
+            print(f"| {name} | {table} | {label}{unnamed_settings(cfg, label)} | {len(sums)} | "
+                  f"{rounds_run(sums)} | "
                   f"{pm([s['acc_mean_best'] for s in sums])} | "
                   f"{pm([s['acc_mean_final'] for s in sums])} | "
                   f"{100 * mean([s['acc_std_final'] for s in sums]):.2f} | "
-                  f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | {per_tier} | "
+                  f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | {counts} | {per_tier} | "
                   f"{dev_acc} | {pm([aggregated(s, algo) for s in sums])} | "
                   f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | {mb} | {dev_mb} | "
                   f"{'' if paper is None else f'{100 * paper:.1f}'} | {diff} |")

@@ -95,9 +95,10 @@ def unnamed_settings(cfg: dict, label: str) -> str:
     """' (lam=1.0)' for the algorithm settings of ``cfg`` that differ from today's defaults
     and are not spelled in the run's ``label``; '' when there are none."""
     from edgepfl.algorithms import ALGORITHMS
+    from edgepfl.config import with_before
     from edgepfl.errors import ConfigError
 
-    stored = dict(cfg.get("algorithm", {}))
+    stored = dict(with_before(cfg).get("algorithm", {}))  # what a run from before a setting did
     algo = ALGORITHMS.get(stored.pop("name", None))
     if algo is None:
         return ""

@@ -306,3 +306,13 @@ def test_a_diverged_client_is_reported_once_and_a_sound_run_is_not(caplog):
     said = [r.getMessage() for r in caplog.records if "diverged" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("round 1: training loss")
     assert blown.metrics[0]["train_loss"] > 10 * math.log(10)
+
+
+def test_a_server_that_chooses_impossible_participants_is_stopped(monkeypatch):
+    sim = Simulation(fast_config("train.participation=0.5"), progress=False)
+    for chosen in ([2, 1], [0, 0], [6], []):
+        monkeypatch.setattr(sim.server, "participants", lambda rnd, sampled, c=chosen: c)
+        with pytest.raises(ValueError, match="sorted, distinct client ids in 0..5"):
+            sim.step()
+    monkeypatch.setattr(sim.server, "participants", lambda rnd, sampled: [0, 1, 2, 3, 4, 5])
+    assert sim.step()["clients"] == 6

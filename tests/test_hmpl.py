@@ -369,25 +369,78 @@ def test_before_the_ranking_every_client_counts_as_ord_and_com_and_sup_are_nan()
     assert _sim("algorithm.name=hmpl_s", clients=4).server.evaluation_metrics(1, [0.5] * 4) == {}
 
 
-def test_with_every_client_ord_hmpl_is_hmpl_s_and_hmpl_s_is_fedavg_with_spp():
+@pytest.mark.parametrize("participation", [1.0, 0.5])
+def test_with_every_client_ord_hmpl_is_hmpl_s_and_hmpl_s_is_fedavg_with_spp(participation):
     runs = {}
     for name, extra in [("hmpl", [*HMPL, "algorithm.tier_ratio=[0, 1, 0]"]),
                         ("hmpl_s", ["algorithm.name=hmpl_s", "model.name=hmpl_ord"]),
+                        # FedAvg trains round 1's sample, HMPL every client (its ranking round)
+                        ("hmpl_s_sampled", ["algorithm.name=hmpl_s", "model.name=hmpl_ord",
+                                            "algorithm.first_round=sampled"]),
                         ("fedavg", ["algorithm.name=fedavg", "model.name=hmpl_ord"])]:
-        sim = _sim(*extra, "train.rounds=2", clients=4)
+        sim = _sim(*extra, "train.rounds=2", f"train.participation={participation}", clients=4)
         sim.run()
         runs[name] = sim
-    hmpl, hmpl_s, fedavg = (runs[k] for k in ("hmpl", "hmpl_s", "fedavg"))
-    assert without_wall(hmpl_s.metrics) == without_wall(fedavg.metrics)
+    hmpl, hmpl_s, sampled, fedavg = (runs[k] for k in ("hmpl", "hmpl_s", "hmpl_s_sampled", "fedavg"))
+    assert without_wall(sampled.metrics) == without_wall(fedavg.metrics)
     assert [{k: r[k] for k in s if k != "wall_s"} for r, s in zip(hmpl.metrics, hmpl_s.metrics, strict=True)] \
         == without_wall(hmpl_s.metrics)
+    assert [r["clients"] for r in hmpl.metrics] == [4, round(4 * participation)]
+    assert (without_wall(hmpl_s.metrics) == without_wall(fedavg.metrics)) == (participation == 1)
     for row in hmpl.metrics:
         assert row["acc_global_mean"] == row["acc_mean"]
         assert row["bytes_up_ord"] == row["bytes_up"] and row["clients_ord"] == 4
     assert set(hmpl.server.tiers) == {"ord"}
     for name, value in fedavg.server.global_model.items():
-        assert torch.equal(hmpl_s.server.shared[name], value), name
-        assert torch.equal(hmpl.server.shared[name], value), name
+        assert torch.equal(sampled.server.shared[name], value), name
+        assert torch.equal(hmpl.server.shared[name], hmpl_s.server.shared[name]), name
+
+
+def test_round_one_times_every_client_so_the_tiers_are_tier_ratio_of_all_of_them():
+    sim = _sim(*HMPL, "train.rounds=2", "train.participation=0.3", clients=10)
+    sim.run()
+    assert [r["clients"] for r in sim.metrics] == [10, 3]
+    assert sorted(sim.server.tiers) == ["com"] * 3 + ["ord"] * 4 + ["sup"] * 3
+    # sampled: only round 1's three are ranked (1:1:1), the rest wait for their first time
+    old = _sim(*HMPL, "train.rounds=1", "train.participation=0.3",
+               "algorithm.first_round=sampled", clients=10)
+    old.run()
+    assert old.metrics[0]["clients"] == 3
+    assert sorted(t for t in old.server.tiers if t) == ["com", "ord", "sup"]
+
+
+def test_a_run_from_before_first_round_existed_is_read_and_resumed_as_sampled(tmp_path, monkeypatch):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from edgepfl.config import comparable
+    from edgepfl.engine.simulation import CHECKPOINT, resume_run
+
+    sets = (*HMPL, *SMALL, "partition.clients=10", "train.participation=0.3", "train.rounds=3")
+    cfg = fast_config(*sets, "algorithm.first_round=sampled")
+    straight = Simulation(cfg, progress=False)
+    straight.run()
+    old = Simulation(cfg, tmp_path, progress=False)
+    real_step = old.step
+    monkeypatch.setattr(old, "step", lambda: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if old.round == 2 else real_step())
+    with pytest.raises(KeyboardInterrupt):
+        old.run()
+    stored = json.loads((tmp_path / "config.json").read_text())
+    del stored["algorithm"]["first_round"]  # as written before the setting existed
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    with safe_open(str(tmp_path / CHECKPOINT), "pt") as f:
+        meta = json.loads(f.metadata()["edgepfl"])
+    del meta["config"]["algorithm"]["first_round"]
+    save_file(load_file(str(tmp_path / CHECKPOINT)), str(tmp_path / CHECKPOINT),
+              metadata={"edgepfl": json.dumps(meta)})
+    assert comparable(stored)["algorithm"]["first_round"] == "sampled"
+    assert comparable(resolve(fast_config(*sets)).model_dump())["algorithm"]["first_round"] == "all"
+    resumed = resume_run(tmp_path, progress=False)
+    assert without_wall(resumed.metrics) == without_wall(straight.metrics)
+    # today's default is another configuration than what that run did
+    with pytest.raises(ConfigError, match="first_round"):
+        resume_run(tmp_path, fast_config(*sets), progress=False)
 
 
 def test_a_resumed_run_equals_a_straight_one(tmp_path):

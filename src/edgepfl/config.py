@@ -356,10 +356,26 @@ def without_rounds(cfg: dict) -> dict:
                              if k not in EXECUTION}}
 
 
+def with_before(cfg: dict) -> dict:
+    """A stored configuration with ``Hyperparameters.before`` filled in for the algorithm
+    settings it lacks: what a run written before those settings existed did, so that it
+    resumes doing that (``cfg["algorithm"]`` then holds at least those keys)."""
+    from edgepfl.algorithms import ALGORITHMS
+
+    stored = cfg.get("algorithm")
+    stored = stored if isinstance(stored, dict) else {}
+    algo = ALGORITHMS.get(stored.get("name"))  # type: ignore[arg-type]
+    before = algo.hyperparameters.before if algo is not None else {}
+    missing = {k: v for k, v in before.items() if k not in stored}
+    return {**cfg, "algorithm": {**stored, **missing}} if missing else cfg
+
+
 def comparable(cfg: dict) -> dict:
     """A stored configuration with the defaults of settings added since it was written
     (a run from before ``topology`` existed was a star; a run of ``kapc`` from before
-    ``algorithm.allow_plain_norm`` existed did not lift the refusal), without
+    ``algorithm.allow_plain_norm`` existed did not lift the refusal; where such a run did
+    what is no longer the default, ``Hyperparameters.before`` says what it did: an
+    ``hmpl`` run from before ``algorithm.first_round`` trained round 1's sample), without
     ``train.rounds``."""
     try:
         built = build_config(cfg)
@@ -373,7 +389,9 @@ def comparable(cfg: dict) -> dict:
     algo = ALGORITHMS.get(built.algorithm.name)
     if algo is not None:
         try:
-            hp = algo.parse_hyperparameters(built.algorithm.hyperparameters())
+            # a setting the stored run lacks: what runs did before it existed, else today's
+            hp = algo.parse_hyperparameters({**algo.hyperparameters.before,
+                                             **built.algorithm.hyperparameters()})
         except ConfigError:
             pass
         else:

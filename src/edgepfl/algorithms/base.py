@@ -55,6 +55,10 @@ class Hyperparameters(BaseModel):
     """Base of every algorithm's typed hyperparameters (unknown keys are errors)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # settings added after runs were stored whose default is not what those runs did: the
+    # value a stored configuration without the key ran with (``config.comparable``), so
+    # that a kept run is never mistaken for one of today's default
+    before: ClassVar[dict[str, Any]] = {}
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,13 @@ class Server(Stateful, ABC):
     def __init__(self, ctx: ServerContext, hp: Any):
         self.ctx = ctx
         self.hp = hp
+
+    def participants(self, rnd: int, sampled: list[int]) -> list[int]:
+        """The clients that train in round ``rnd``, given the engine's seeded sample
+        (``train.participation``): the sample itself, unless the algorithm's protocol
+        needs others (HMPL times every client in its first round to rank them all). Sorted
+        client ids, each once; a star's server only."""
+        return sampled
 
     @abstractmethod
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]: ...

@@ -84,7 +84,18 @@ def tier_name(stage: int) -> str:
     return "com" if stage == COM else "ord" if stage == ORD else "sup"
 
 
+FIRST_ROUND = Field(
+    "all", description="who trains round 1, whose times rank the clients into tiers: all = "
+    "every client, whatever train.participation (Sec. III-C: after the first round 'the "
+    "server collects the model and the running time of each device', so the tiers are "
+    "exactly tier_ratio of all clients); sampled = round 1's seeded sample like any round, "
+    "the rest tiered by the sample's two time thresholds when first timed (shares then "
+    "drift from tier_ratio)")
+
+
 class HMPLHyperparameters(Hyperparameters):
+    before: ClassVar[dict[str, Any]] = {"first_round": "sampled"}
+    first_round: Literal["all", "sampled"] = FIRST_ROUND
     tier_ratio: list[float] = Field(
         [0.3, 0.4, 0.3], min_length=3, max_length=3,
         description="shares of the clients, ranked by round-1 time, that become Com "
@@ -110,7 +121,14 @@ class HMPLHyperparameters(Hyperparameters):
 
 
 class HMPLSHyperparameters(Hyperparameters):
-    """HMPL_S has none: FedAvg on the Ord model."""
+    """FedAvg on the Ord model; round 1 as HMPL's, so that HMPL with every client Ord is
+    HMPL_S (``first_round = 'sampled'`` is FedAvg's round 1)."""
+
+    before: ClassVar[dict[str, Any]] = {"first_round": "sampled"}
+    first_round: Literal["all", "sampled"] = Field(
+        "all", description="who trains round 1: all = every client, as in HMPL's ranking "
+        "round, so that hmpl with every client Ord is hmpl_s; sampled = round 1's seeded "
+        "sample, FedAvg's round 1")
 
 
 # -- the tier models ----------------------------------------------------------------------
@@ -231,6 +249,11 @@ class HMPLServer(Server):
         return {n: self.shared[n] for n in shared_names(stage, self.dims)}
 
     # -- one round ------------------------------------------------------------------------
+    def participants(self, rnd: int, sampled: list[int]) -> list[int]:
+        if rnd == 1 and self.hp.first_round == "all":
+            return list(range(self.ctx.num_clients))
+        return sampled
+
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
         if rnd > 1 and self.thresholds is None and not self.reduced and not self._warned:
             self._warned = True

@@ -290,6 +290,9 @@ class Rounds:
         rnd = self.round + 1
         t0 = time.perf_counter()
         selected = self.federation.select(cfg.seed, rnd, cfg.train.participation)
+        if not self.federation.hierarchical:
+            selected = _check_participants(self.server.participants(rnd, selected),
+                                           self.federation.num_clients, rnd)
         self._selected = selected
         if self.federation.hierarchical:
             row, losses = self._hierarchical_round(rnd, selected)
@@ -763,6 +766,15 @@ def async_edge_rounds(times: list[float | None], k2: int) -> list[int]:
 
 def _max(a: float, b: float) -> float:
     return b if math.isnan(a) else max(a, b)
+
+
+def _check_participants(chosen: list[int], num_clients: int, rnd: int) -> list[int]:
+    ids = list(chosen)
+    if (not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_clients
+            or not all(isinstance(c, int) for c in ids)):
+        raise ValueError(f"round {rnd}: the server chose participants {ids!r}; they must be "
+                         f"sorted, distinct client ids in 0..{num_clients - 1}, at least one")
+    return ids
 
 
 def _check_keys(messages: Mapping[int, Message], expected: list[int], where: str, what: str) -> None:

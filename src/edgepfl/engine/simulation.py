@@ -21,7 +21,7 @@ import torch
 
 from edgepfl import __version__
 from edgepfl.algorithms.training import ClientData, TestData, eval_parts, sample_count
-from edgepfl.config import Config, build_config, comparable, config_diff
+from edgepfl.config import Config, build_config, comparable, config_diff, with_before
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition
 from edgepfl.engine.parts import Parts, image_crops, load_federation, resolve
@@ -409,6 +409,7 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
     stored = read_json(run_dir / "config.json")
     if not isinstance(stored, dict) or not isinstance(stored.get("train"), dict):
         raise ConfigError(f"{run_dir / 'config.json'} is not an edgepfl run configuration")
+    stored = with_before(stored)  # a run from before a setting existed goes on as it ran
     if cfg is None and overrides:
         cfg = build_config(stored, overrides)
     run_cfg = build_config(stored)
