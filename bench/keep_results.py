@@ -3,7 +3,8 @@
     python bench/keep_results.py runs/table1 bench/results/table1
 
 Run folders (``<grid>/<run>/`` with a summary.json) keep config.json, summary.json,
-metrics.csv, partition.json, system.json, federation.json and DC-PFL's grouping history (dcpfl_groups.json). A KAPC run's relation cube is kept as text:
+metrics.csv, partition.json, system.json, federation.json, DC-PFL's grouping history
+(dcpfl_groups.json) and HMPL's tiers (tiers.json). A KAPC run's relation cube is kept as text:
 relation_self.json holds each layer's self-relation per client and its mean over clients
 (the quantity of the paper's Fig. 7); checkpoints, tensors and plots stay behind. A
 session's finished runs are thereby kept for the next, which adds seeds or settings and
@@ -24,7 +25,7 @@ from edgepfl.io import read_tensors, write_json
 from grid_runs import is_finished
 
 KEEP = ("config.json", "summary.json", "metrics.csv", "partition.json", "system.json",
-        "federation.json", "dcpfl_groups.json")
+        "federation.json", "dcpfl_groups.json", "tiers.json")
 
 
 def relation_summary(cube_file: Path) -> dict:
