@@ -38,6 +38,42 @@ def resumed_and_straight(tmp_path, *overrides: str):
     return resumed, straight
 
 
+def crash_after(sim, rounds: int, monkeypatch) -> None:
+    """Run ``sim`` until it is interrupted in the round after ``rounds`` (a crash)."""
+    real_step = sim.step
+
+    def crash():
+        if sim.round == rounds:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(sim, "step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+
+
+def forget_algorithm_setting(run_dir: Path, key: str) -> dict:
+    """Make ``run_dir`` (a run with a checkpoint) look written before ``algorithm.<key>``
+    existed: the key leaves config.json and the checkpoint's stored config. Returns the
+    config.json without it."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from edgepfl.engine.simulation import CHECKPOINT
+
+    stored = json.loads((run_dir / "config.json").read_text())
+    del stored["algorithm"][key]
+    (run_dir / "config.json").write_text(json.dumps(stored))
+    ckpt = str(run_dir / CHECKPOINT)
+    with safe_open(ckpt, "pt") as f:
+        meta = json.loads(f.metadata()["edgepfl"])
+    del meta["config"]["algorithm"][key]
+    save_file(load_file(ckpt), ckpt, metadata={"edgepfl": json.dumps(meta)})
+    return stored
+
+
 def without_wall(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
 

@@ -9,7 +9,7 @@ import pytest
 
 from edgepfl.engine.simulation import CHECKPOINT, Simulation, resume_run, start_run
 from edgepfl.errors import ConfigError, EdgepflError
-from tests.conftest import fast_config
+from tests.conftest import crash_after, fast_config, forget_algorithm_setting
 
 SUMMARY_KEYS = {"algorithm", "dataset", "clients", "rounds", "seed", "acc_mean_best", "best_round",
                 "acc_mean_final", "acc_weighted_final", "acc_std_final", "bytes_up_total",
@@ -71,25 +71,11 @@ def test_same_seed_same_run_other_seed_other_run():
     assert _strip(a.metrics) != _strip(c.metrics)
 
 
-def _crash_after(sim: Simulation, rounds: int, monkeypatch) -> None:
-    """Run ``sim`` until it is interrupted in the round after ``rounds`` (a crash)."""
-    real_step = sim.step
-
-    def crash():
-        if sim.round == rounds:
-            raise KeyboardInterrupt
-        return real_step()
-
-    monkeypatch.setattr(sim, "step", crash)
-    with pytest.raises(KeyboardInterrupt):
-        sim.run()
-
-
 def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     cfg = fast_config("algorithm.name=fedprox", "train.rounds=4", "train.participation=0.5")
     whole = start_run(cfg, tmp_path / "whole", progress=False)
 
-    _crash_after(Simulation(cfg, tmp_path / "cut", progress=False), 2, monkeypatch)
+    crash_after(Simulation(cfg, tmp_path / "cut", progress=False), 2, monkeypatch)
     with open(tmp_path / "cut" / "metrics.csv") as f:
         assert len(list(csv.DictReader(f))) == 2  # what was written before the crash is intact
     resumed = resume_run(tmp_path / "cut", progress=False)
@@ -102,21 +88,11 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch)
 def test_a_run_from_before_a_hyperparameter_existed_resumes(tmp_path, monkeypatch):
     # a newer edgepfl adds an algorithm setting with a default that keeps the old behaviour:
     # a run written without it (config.json and the checkpoint) must resume, not be refused
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
     cfg = fast_config("algorithm.name=fedprox", "train.rounds=3")
     whole = start_run(cfg, tmp_path / "whole", progress=False)
-    _crash_after(Simulation(cfg, tmp_path / "old", progress=False), 1, monkeypatch)
+    crash_after(Simulation(cfg, tmp_path / "old", progress=False), 1, monkeypatch)
     run = tmp_path / "old"
-    stored = json.loads((run / "config.json").read_text())
-    del stored["algorithm"]["mu"]
-    (run / "config.json").write_text(json.dumps(stored))
-    with safe_open(str(run / CHECKPOINT), "pt") as f:
-        meta = json.loads(f.metadata()["edgepfl"])
-    del meta["config"]["algorithm"]["mu"]
-    save_file(load_file(str(run / CHECKPOINT)), str(run / CHECKPOINT),
-              metadata={"edgepfl": json.dumps(meta)})
+    stored = forget_algorithm_setting(run, "mu")
     resumed = resume_run(run, progress=False)
     assert _strip(resumed.metrics) == _strip(whole.metrics)
     # a stored value that differs from today's default is still a different configuration

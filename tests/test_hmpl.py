@@ -18,7 +18,13 @@ from edgepfl.io import write_csv, write_json
 from edgepfl.models import LayerSpec, build_model
 from edgepfl.models.hmpl import layer_role
 from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, HMPLTiers, stage_model
-from tests.conftest import fast_config, resumed_and_straight, without_wall
+from tests.conftest import (
+    crash_after,
+    fast_config,
+    forget_algorithm_setting,
+    resumed_and_straight,
+    without_wall,
+)
 
 HMPL = ["algorithm.name=hmpl", "model.name=hmpl_tiers"]
 SMALL = ["dataset.fraction=0.1", "train.batch_size=16"]  # 200 training images, 8x8
@@ -410,30 +416,15 @@ def test_round_one_times_every_client_so_the_tiers_are_tier_ratio_of_all_of_them
 
 
 def test_a_run_from_before_first_round_existed_is_read_and_resumed_as_sampled(tmp_path, monkeypatch):
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
     from edgepfl.config import comparable
-    from edgepfl.engine.simulation import CHECKPOINT, resume_run
+    from edgepfl.engine.simulation import resume_run
 
     sets = (*HMPL, *SMALL, "partition.clients=10", "train.participation=0.3", "train.rounds=3")
     cfg = fast_config(*sets, "algorithm.first_round=sampled")
     straight = Simulation(cfg, progress=False)
     straight.run()
-    old = Simulation(cfg, tmp_path, progress=False)
-    real_step = old.step
-    monkeypatch.setattr(old, "step", lambda: (_ for _ in ()).throw(KeyboardInterrupt)
-                        if old.round == 2 else real_step())
-    with pytest.raises(KeyboardInterrupt):
-        old.run()
-    stored = json.loads((tmp_path / "config.json").read_text())
-    del stored["algorithm"]["first_round"]  # as written before the setting existed
-    (tmp_path / "config.json").write_text(json.dumps(stored))
-    with safe_open(str(tmp_path / CHECKPOINT), "pt") as f:
-        meta = json.loads(f.metadata()["edgepfl"])
-    del meta["config"]["algorithm"]["first_round"]
-    save_file(load_file(str(tmp_path / CHECKPOINT)), str(tmp_path / CHECKPOINT),
-              metadata={"edgepfl": json.dumps(meta)})
+    crash_after(Simulation(cfg, tmp_path, progress=False), 1, monkeypatch)
+    stored = forget_algorithm_setting(tmp_path, "first_round")
     assert comparable(stored)["algorithm"]["first_round"] == "sampled"
     assert comparable(resolve(fast_config(*sets)).model_dump())["algorithm"]["first_round"] == "all"
     resumed = resume_run(tmp_path, progress=False)
