@@ -18,6 +18,7 @@ from edgepfl.io import write_csv, write_json
 from edgepfl.models import LayerSpec, build_model
 from edgepfl.models.hmpl import layer_role
 from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, HMPLTiers, stage_model
+from edgepfl.system.memory import training_step_bytes
 from tests.conftest import (
     crash_after,
     fast_config,
@@ -327,6 +328,33 @@ def test_bytes_per_tier_are_what_each_tier_sends(run):
     assert summary["tiers"] == {"com": 2, "ord": 2, "sup": 2}
 
 
+def test_each_tiers_time_flops_and_step_memory_are_those_of_its_own_models_rounds(run):
+    sim, *_ = run
+    rows = sim.metrics
+    # round 1: every client trains the Ord model, so only the clients ranked Ord count
+    assert [tuple(r[f"trained_{t}"] for t in ("com", "ord", "sup")) for r in rows] == \
+        [(0, 2, 0), (2, 2, 2), (2, 2, 2)]
+    assert math.isnan(rows[0]["time_com"]) and math.isnan(rows[0]["flops_sup"])
+    for row in rows[1:]:  # every client trained its tier's model: the tiers make up the round
+        assert sum(row[f"trained_{t}"] * row[f"flops_{t}"] for t in ("com", "ord", "sup")) \
+            == pytest.approx(row["flops_client"], rel=1e-12)
+        assert all(row[f"time_{t}"] > 0 for t in ("com", "ord", "sup"))
+    costs = sim.summary()["tier_costs"]
+    for tier in ("com", "ord", "sup"):
+        n = sum(r[f"trained_{tier}"] for r in rows)
+        assert costs[tier]["client_rounds"] == n
+        flops = sum(r[f"trained_{tier}"] * r[f"flops_{tier}"] for r in rows if r[f"trained_{tier}"])
+        assert costs[tier]["flops_mean"] == pytest.approx(flops / n, rel=1e-12)
+    # what one step holds: the tier models' weights, gradients and saved activations
+    assert costs["sup"]["stage_model"] == "hmpl_sup2"  # both Sup models grew
+    memory = {t: costs[t]["step_memory_bytes"] for t in ("com", "ord", "sup")}
+    for tier in ("com", "ord", "sup"):
+        model = build_model(costs[tier]["stage_model"], (1, 8, 8), 10)
+        assert memory[tier] == training_step_bytes(model, (1, 8, 8), sim.cfg.train.batch_size)
+        assert costs[tier]["params"] == sum(p.numel() for p in model.parameters())
+    assert memory["com"]["total"] < memory["ord"]["total"] < memory["sup"]["total"]
+
+
 def test_tiers_json_lists_each_clients_tier_depth_and_each_tiers_accuracy(run, tmp_path):
     sim, *_ = run
     write_json(tmp_path / "summary.json", sim.summary())  # what a finished run writes first
@@ -342,6 +370,7 @@ def test_tiers_json_lists_each_clients_tier_depth_and_each_tiers_accuracy(run, t
         mine = [acc[c] for c, x in enumerate(tiers) if x == tier]
         assert written["acc_final_mean"][tier] == pytest.approx(sum(mine) / len(mine), abs=1e-12)
     assert not math.isnan(sim.metrics[-1]["acc_global_mean"])
+    assert written["costs"] == json.loads(json.dumps(sim.summary()["tier_costs"]))
 
 
 def test_every_rounds_tier_accuracy_is_the_mean_over_that_tiers_clients(run, tmp_path):

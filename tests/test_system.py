@@ -442,3 +442,18 @@ def test_state_bytes_counts_each_storage_once():
 
 def test_peak_rss_is_plausible():
     assert 10 * 2**20 < peak_rss_bytes() < 2**40
+
+
+def test_a_training_step_holds_weights_gradients_and_the_activations_saved_for_backward():
+    import torch
+
+    from edgepfl.system.memory import training_step_bytes
+
+    linear = torch.nn.Linear(8, 4)
+    # Linear saves its input (the weight is a parameter, already counted)
+    assert training_step_bytes(linear, (8,), 5) == {
+        "weights": 36 * 4, "gradients": 36 * 4, "activations": 5 * 8 * 4, "total": 2 * 144 + 160}
+    deeper = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    held = training_step_bytes(deeper, (8,), 5)
+    # the input, the first layer's output (for ReLU) and ReLU's output (for the last layer)
+    assert held["activations"] >= 5 * (8 + 16) * 4

@@ -89,6 +89,7 @@ class ServerContext:
     federation: Federation | None = None
     architectures: dict[str, Architecture] = field(default_factory=dict)
     fresh_model: Callable[[int], State] | None = None
+    input_shape: tuple[int, int, int] | None = None  # (C, H, W) of a whole image
 
     @property
     def arch_of(self) -> tuple[str, ...]:
@@ -195,10 +196,13 @@ class Server(Stateful, ABC):
         shape and dtype, every metadata value's form), so that ``aggregate`` need not."""
         check_model_entries(self.ctx, cid, reply)
 
-    def observe_times(self, rnd: int, times: dict[int, float]) -> None:
+    def observe_times(self, rnd: int, times: dict[int, float],
+                      flops: dict[int, int] | None = None) -> None:
         """After ``aggregate``: each replying client's round time in seconds (simulated by
         the system model in the simulation, its measured training time on Flower), for an
-        algorithm that adapts to its devices' speed (HMPL's tiers). A star's server only."""
+        algorithm that adapts to its devices' speed (HMPL's tiers), and where FLOPs are
+        counted (``system.count_flops``, the simulation) each one's local-training FLOPs.
+        A star's server only."""
         return None
 
     def round_metrics(self) -> dict[str, float]:

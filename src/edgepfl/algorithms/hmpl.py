@@ -64,6 +64,7 @@ from edgepfl.io import read_json, write_json
 from edgepfl.models.hmpl import SUP_MAX_DEPTH, layer_role
 from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, check_stage, stage_model
 from edgepfl.models.zoo import MODELS
+from edgepfl.system.memory import training_step_bytes
 
 log = logging.getLogger("edgepfl")
 
@@ -77,6 +78,9 @@ TIER, DEPTH = "tier", "depth"
 NUM_SAMPLES = "num_samples"
 TIER_NAMES = ("com", "ord", "sup")
 BYTE_COLUMNS = tuple(f"bytes_{d}_{t}" for d in ("up", "down") for t in TIER_NAMES)
+# per round, per tier, over the clients that trained their tier's model: how many, their
+# mean round time (s) and mean counted local-training FLOPs
+COST_COLUMNS = tuple(f"{k}_{t}" for t in TIER_NAMES for k in ("trained", "time", "flops"))
 UNION = "hmpl_tiers"  # the model hmpl runs on
 
 
@@ -212,6 +216,32 @@ def _round_half_up(x: float) -> int:
     return math.floor(x + 0.5 + 1e-9)
 
 
+def tier_costs(times: dict[int, float], flops: dict[int, int] | None,
+               tiers: list[str | None], sent: dict[int, int]) -> dict[str, float]:
+    """One round's ``COST_COLUMNS``: per tier, the timed clients that trained their own
+    tier's model (not a ranked client's round-1 Ord model), their mean time and FLOPs
+    (NaN: none; FLOPs NaN where not counted, as on Flower)."""
+    out: dict[str, float] = {}
+    for tier in TIER_NAMES:
+        mine = [c for c in sorted(times)
+                if tiers[c] == tier and tier_name(sent.get(c, ORD)) == tier]
+        out[f"trained_{tier}"] = len(mine)
+        out[f"time_{tier}"] = sum(times[c] for c in mine) / len(mine) if mine else math.nan
+        out[f"flops_{tier}"] = (sum(flops[c] for c in mine) / len(mine)
+                                if mine and flops is not None and all(c in flops for c in mine)
+                                else math.nan)
+    return out
+
+
+@cache
+def step_memory(stage: int, input_shape: tuple[int, int, int], classes: int,
+                batch: int) -> dict[str, int]:
+    """``system.memory.training_step_bytes`` of the tier model of ``stage``."""
+    with torch.random.fork_rng(devices=[]):  # the run's generator is left as it was
+        model = MODELS[stage_model(stage)][0](input_shape[0], classes)
+    return training_step_bytes(model, input_shape, batch)
+
+
 # -- the server ----------------------------------------------------------------------------
 class HMPLServer(Server):
     """The shared layers (BS and CP), every client's tier and the time thresholds."""
@@ -239,6 +269,7 @@ class HMPLServer(Server):
         # this round's own figures: who was told which stage, bytes per tier
         self._sent: dict[int, int] = {}
         self._bytes = dict.fromkeys(BYTE_COLUMNS, 0)
+        self._costs: dict[str, float] = {}
         self._warned = False
 
     def stage_of(self, cid: int) -> int:
@@ -260,7 +291,7 @@ class HMPLServer(Server):
             log.warning("hmpl: no client's round time has been observed yet, so every client "
                         "still trains the Ord model (the simulation times rounds with "
                         "system.count_flops = true)")
-        self._sent, self._bytes = {}, dict.fromkeys(BYTE_COLUMNS, 0)
+        self._sent, self._bytes, self._costs = {}, dict.fromkeys(BYTE_COLUMNS, 0), {}
         by_stage: dict[int, Message] = {}
         out = {}
         for cid in selected:
@@ -301,7 +332,8 @@ class HMPLServer(Server):
                 shared[n] = mean[n] if eta == 1.0 else self.shared[n] + eta * (mean[n] - self.shared[n])
         self.shared = shared
 
-    def observe_times(self, rnd: int, times: dict[int, float]) -> None:
+    def observe_times(self, rnd: int, times: dict[int, float],
+                      flops: dict[int, int] | None = None) -> None:
         if self.reduced:
             return
         if self.thresholds is None:
@@ -310,6 +342,7 @@ class HMPLServer(Server):
             for cid in sorted(times):
                 if self.tiers[cid] is None:  # no reply in the ranking round: its first time
                     self._assign(cid, self._classify(times[cid]), times[cid])
+        self._costs = tier_costs(times, flops, self.tiers, self._sent)
         self._grow(times)
 
     def _assign(self, cid: int, tier: str, time: float) -> None:
@@ -370,7 +403,8 @@ class HMPLServer(Server):
             counts[f"clients_{tier or 'ord'}"] += 1
         depth = max((d for t, d in zip(self.tiers, self.depths, strict=True) if t == "sup"),
                     default=0)
-        return {**self._bytes, **counts, "sup_depth_max": depth}
+        costs = self._costs or tier_costs({}, None, self.tiers, {})
+        return {**self._bytes, **counts, "sup_depth_max": depth, **costs}
 
     def evaluation_metrics(self, rnd: int, client_acc: list[float]) -> dict[str, float]:
         """``acc_mean_com``, ``acc_mean_ord``, ``acc_mean_sup``: the unweighted mean
@@ -397,6 +431,30 @@ class HMPLServer(Server):
         last = next((r for r in reversed(metrics) if "acc_mean_ord" in r
                      and not math.isnan(r.get("acc_mean", math.nan))), {})
         out["acc_mean_tier_final"] = {t: _finite(last.get(f"acc_mean_{t}")) for t in TIER_NAMES}
+        out["tier_costs"] = self.tier_summary(metrics)
+        return out
+
+    def tier_summary(self, metrics: list[dict]) -> dict[str, dict[str, Any]]:
+        """Per tier, over the run: client-rounds trained on the tier's model, their mean round
+        time and counted FLOPs (None where none was timed or counted), and what one SGD step
+        of the tier's model holds (weights, gradients, saved activations) on a batch of
+        ``train.batch_size`` whole images; a Sup model at the deepest stage a client held."""
+        out: dict[str, dict[str, Any]] = {}
+        depth = max((d for t, d in zip(self.tiers, self.depths, strict=True) if t == "sup"),
+                    default=1)
+        for tier, stage in (("com", COM), ("ord", ORD), ("sup", max(depth, 1))):
+            n = sum(r.get(f"trained_{tier}", 0) for r in metrics)
+            figures: dict[str, Any] = {"client_rounds": n, "stage_model": stage_model(stage)}
+            for key in ("time", "flops"):
+                rows = [(r[f"trained_{tier}"], r[f"{key}_{tier}"]) for r in metrics
+                        if r.get(f"trained_{tier}") and math.isfinite(r.get(f"{key}_{tier}", math.nan))]
+                total = sum(k for k, _ in rows)
+                figures[f"{key}_mean"] = sum(k * v for k, v in rows) / total if total else None
+            figures["params"] = sum(v.numel() for v in tier_params(stage, self.dims).values())
+            if self.ctx.input_shape is not None:
+                figures["step_memory_bytes"] = step_memory(stage, self.ctx.input_shape,
+                                                           self.dims[1], self.ctx.train.batch_size)
+            out[tier] = figures
         return out
 
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
@@ -421,9 +479,11 @@ class HMPLServer(Server):
             mine = [r["acc_final"] for r in clients
                     if (r["tier"] or "ord") == tier and r["acc_final"] is not None]
             means[tier] = sum(mine) / len(mine) if mine else None
+        summary = read_json(path) if path.exists() else {}
         write_json(out_dir / "tiers.json", {
-            "tier_ratio": self.hp.tier_ratio, "growth_bound": self.hp.growth_bound,
-            "thresholds": self.thresholds, "acc_final_mean": means, "clients": clients})
+            "tier_ratio": self.hp.tier_ratio, "first_round": self.hp.first_round,
+            "growth_bound": self.hp.growth_bound, "thresholds": self.thresholds,
+            "acc_final_mean": means, "costs": summary.get("tier_costs"), "clients": clients})
         rows = _read_metrics(out_dir / "metrics.csv")
         if plots and rows:
             from edgepfl.plotting import plot_accuracy_series

@@ -202,7 +202,7 @@ class Parts:
         cfg = self.cfg
         return ServerContext(self.federation.num_clients, self.layers, self.init_model, cfg.train,
                              cfg.seed, self.federation, self.architectures,
-                             self.fresh_model(self.first.name))
+                             self.fresh_model(self.first.name), self.input_shape)
 
     def server(self) -> Server:
         return self.algorithm.server(self._server_ctx(), self.hp)

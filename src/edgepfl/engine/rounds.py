@@ -434,7 +434,8 @@ class Rounds:
         if type(self.server).observe_times is not Server.observe_times:
             times = self._client_times(delivery, sent_down)
             if times:
-                self.server.observe_times(rnd, times)
+                counted = self.flops.enabled and self.transport.counts_flops
+                self.server.observe_times(rnd, times, delivery.flops(sorted(times)) if counted else None)
         up, dn = sum(sent_up.values()), sum(sent_down.values())
         row = {"round": rnd, "bytes_up": up, "bytes_down": dn, "clients": len(selected),
                "clients_failed": len(delivery.failed),
