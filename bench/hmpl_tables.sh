@@ -31,6 +31,8 @@
 #   EVERY=1        evaluate every this many rounds (early stopping counts evaluated rounds)
 #   FRACTION=1     share of the data (a smoke test: FRACTION=0.02 gives 20 images a client)
 #   MODEL=hmpl_ord the baselines' model (hmpl runs hmpl_tiers, hmpl_s hmpl_ord)
+#   (hmpl and hmpl_s train every client in round 1, algorithm.first_round = all, so that the
+#   tiers are tier_ratio of all 60; the baselines train round 1's 10, as in every round)
 #   EXTRA="k=v ..." further settings for every run, TAG=-name appended to the grid's folder:
 #                  the tier-ratio study (Figs. 8-9) is one grid per ratio, e.g.
 #                  EXTRA="algorithm.tier_ratio=[0.1,0.5,0.4]" TAG=-com0.1-ord0.5 \
