@@ -29,11 +29,12 @@ def state_bytes(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) ->
 
 
 def training_step_bytes(model: torch.nn.Module, input_shape: tuple[int, ...], batch: int) -> dict[str, int]:
-    """What one SGD step of ``model`` on a batch of ``batch`` inputs of ``input_shape``
-    (C, H, W) holds at its peak, the end of the forward pass: the weights, their gradients
-    (plain SGD keeps no other state), and the activations autograd saved for the backward
-    pass (counted per storage as they are saved, on a zero batch). A device's model
-    memory, without the framework's own or the data's."""
+    """The memory one SGD step of ``model`` on a batch of ``batch`` inputs of ``input_shape``
+    (C, H, W) needs: the weights, their gradients (which persist between steps; plain SGD
+    keeps no other state) and the activations autograd saves for the backward pass
+    (counted per storage as they are saved, on a zero batch), all as if live at once, as
+    they are when the backward pass starts. A device's model memory, without the
+    framework's own or the data's."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     saved: dict[int, int] = {}
 
