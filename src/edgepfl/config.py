@@ -378,7 +378,7 @@ def comparable(cfg: dict) -> dict:
     ``hmpl`` run from before ``algorithm.first_round`` trained round 1's sample), without
     ``train.rounds``."""
     try:
-        built = build_config(cfg)
+        built = build_config(with_before(cfg))
     except ConfigError:
         return without_rounds(cfg)
     full = built.model_dump()
@@ -389,9 +389,7 @@ def comparable(cfg: dict) -> dict:
     algo = ALGORITHMS.get(built.algorithm.name)
     if algo is not None:
         try:
-            # a setting the stored run lacks: what runs did before it existed, else today's
-            hp = algo.parse_hyperparameters({**algo.hyperparameters.before,
-                                             **built.algorithm.hyperparameters()})
+            hp = algo.parse_hyperparameters(built.algorithm.hyperparameters())
         except ConfigError:
             pass
         else:

@@ -401,10 +401,13 @@ class HMPLServer(Server):
         counts = {f"clients_{t}": 0 for t in TIER_NAMES}
         for tier in self.tiers:  # a client not ranked yet trains the Ord model
             counts[f"clients_{tier or 'ord'}"] += 1
-        depth = max((d for t, d in zip(self.tiers, self.depths, strict=True) if t == "sup"),
-                    default=0)
         costs = self._costs or tier_costs({}, None, self.tiers, {})
-        return {**self._bytes, **counts, "sup_depth_max": depth, **costs}
+        return {**self._bytes, **counts, "sup_depth_max": self.sup_depth_max(), **costs}
+
+    def sup_depth_max(self) -> int:
+        """The deepest stage a Sup client is told to hold (0: no Sup client)."""
+        return max((d for t, d in zip(self.tiers, self.depths, strict=True) if t == "sup"),
+                   default=0)
 
     def evaluation_metrics(self, rnd: int, client_acc: list[float]) -> dict[str, float]:
         """``acc_mean_com``, ``acc_mean_ord``, ``acc_mean_sup``: the unweighted mean
@@ -440,9 +443,7 @@ class HMPLServer(Server):
         of the tier's model holds (weights, gradients, saved activations) on a batch of
         ``train.batch_size`` whole images; a Sup model at the deepest stage a client held."""
         out: dict[str, dict[str, Any]] = {}
-        depth = max((d for t, d in zip(self.tiers, self.depths, strict=True) if t == "sup"),
-                    default=1)
-        for tier, stage in (("com", COM), ("ord", ORD), ("sup", max(depth, 1))):
+        for tier, stage in (("com", COM), ("ord", ORD), ("sup", max(self.sup_depth_max(), 1))):
             n = sum(r.get(f"trained_{tier}", 0) for r in metrics)
             figures: dict[str, Any] = {"client_rounds": n, "stage_model": stage_model(stage)}
             for key in ("time", "flops"):
@@ -466,7 +467,8 @@ class HMPLServer(Server):
         if self.reduced:
             return
         path = out_dir / "summary.json"
-        acc = read_json(path).get("acc_clients_final") if path.exists() else None
+        summary = read_json(path) if path.exists() else {}
+        acc = summary.get("acc_clients_final")
         if not isinstance(acc, list) or len(acc) != len(self.tiers):
             acc = [None] * len(self.tiers)
         acc = [a if isinstance(a, int | float) and math.isfinite(a) else None for a in acc]
@@ -479,7 +481,6 @@ class HMPLServer(Server):
             mine = [r["acc_final"] for r in clients
                     if (r["tier"] or "ord") == tier and r["acc_final"] is not None]
             means[tier] = sum(mine) / len(mine) if mine else None
-        summary = read_json(path) if path.exists() else {}
         write_json(out_dir / "tiers.json", {
             "tier_ratio": self.hp.tier_ratio, "first_round": self.hp.first_round,
             "growth_bound": self.hp.growth_bound, "thresholds": self.thresholds,
