@@ -341,7 +341,8 @@ class Algorithm:
             valid = ", ".join(fields) or "(none)"
             problems = []
             for err in exc.errors():
-                key = "algorithm." + ".".join(str(p) for p in err["loc"])
+                # a check across settings has no one field: it names the algorithm's settings
+                key = ".".join(["algorithm", *(str(p) for p in err["loc"])])
                 if err["type"] == "extra_forbidden":
                     problems.append(f"{key} is not a hyperparameter of {self.name}; valid: {valid}")
                 else:
