@@ -112,3 +112,18 @@ def test_cpu_device_is_the_default_runs_result_here():
     a = Simulation(fast_config("train.rounds=2", "train.device=cpu"), progress=False).run()
     b = Simulation(fast_config("train.rounds=2"), progress=False).run()
     same_rows(a.metrics, b.metrics)
+
+
+def test_in_parallel_every_task_is_made_before_a_reply_is_stored(monkeypatch):
+    # the pool draws tasks in a thread of its own; a reply stored meanwhile (an HMPL client
+    # adding its IP layers to the store) must not change the store under a task being made
+    sim = Simulation(fast_config("algorithm.name=fedavg", "train.workers=2"), progress=False)
+    inproc = sim.transport
+    stored, seen = [], []
+    real_row, real_set = inproc.store.row, inproc.store.set_row
+    monkeypatch.setattr(inproc.store, "row", lambda cid, *a: (seen.append(len(stored)), real_row(cid, *a))[1])
+    monkeypatch.setattr(inproc.store, "set_row", lambda cid, v: (stored.append(cid), real_set(cid, v))[1])
+    # a pool that draws each task only when its previous result has been taken
+    monkeypatch.setattr(inproc.pool, "map", lambda tasks: (inproc._worker_task(t) for t in tasks))
+    sim.step()
+    assert len(stored) == 6 and seen[:6] == [0] * 6

@@ -161,8 +161,11 @@ class InProcess(Transport):
 
         parallel = self.pool is not None and len(messages) > 1
         replies = {}
+        # in parallel every task is made before a reply is stored: the pool draws tasks in
+        # a thread of its own, and a reply that adds entries to the store (an HMPL client
+        # growing IP layers) must not change it under a task being read from it
         for cid, new_state, reply, stats, flops in (
-                self.pool.map(tasks()) if parallel else map(self._worker_task, tasks())):
+                self.pool.map(list(tasks())) if parallel else map(self._worker_task, tasks())):
             counted = (self.flops.record(keys[cid], flops) if flops is not None
                        else self.flops.reuse(keys[cid]))
             self.store.set_row(cid, new_state)
