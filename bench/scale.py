@@ -8,7 +8,9 @@ of N clients, each configuration in a fresh process (peak memory is per process)
 ``--modes`` says how the clients of a round run, each a fresh process: ``seq1`` one after
 another on one thread (the default, as the memory figures were taken), ``seq`` one after
 another with PyTorch's default threads (every core), ``par`` in ``--workers`` worker
-processes of one thread each (``train.workers``), ``cuda`` on the GPU (``train.device``).
+processes of one thread each (``train.workers``), ``cuda`` on the GPU (``train.device``),
+``vmap`` and ``cuda-vmap`` with a round's clients trained together, their SGD steps batched
+with ``torch.func.vmap`` (``train.batch_clients``) on the CPU's threads or on the GPU.
 Rounds are timed against the first mode listed, in the same run.
 
 One JSON line per run and a markdown table at the end; record results in bench/README.md.
@@ -62,7 +64,10 @@ CHILD = textwrap.dedent("""
 MODES = {"seq1": (["train.device=cpu", "train.workers=1"], "1"),
          "seq": (["train.device=cpu", "train.workers=1"], "all"),
          "par": (["train.device=cpu"], "1"),
-         "cuda": (["train.device=cuda", "train.workers=1"], "all")}
+         "cuda": (["train.device=cuda", "train.workers=1"], "all"),
+         "vmap": (["train.device=cpu", "train.workers=1", "train.batch_clients=true"], "all"),
+         "cuda-vmap": (["train.device=cuda", "train.workers=1", "train.batch_clients=true"],
+                       "all")}
 
 
 def run(algorithm: str, clients: int, mode: str, args) -> dict:

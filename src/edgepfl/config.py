@@ -139,6 +139,13 @@ class TrainConfig(_Section):
         "of one thread (simulation on the CPU; auto = one per core); metrics equal the "
         "sequential run's")
 
+    batch_clients: bool = Field(
+        False, description="train a step's clients together, their SGD steps batched into one "
+        "with torch.func.vmap (clients whose algorithm states its training as a fit request: "
+        "fedavg, fedprox, local; models without BatchNorm or dropout; others train one after "
+        "another); weights equal the sequential run's within float tolerance; pays on a GPU, "
+        "not on a CPU (bench/README.md); needs train.workers = 1")
+
     @field_validator("workers")
     @classmethod
     def _workers(cls, value: int | str) -> int | str:
@@ -346,7 +353,7 @@ def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 # how a run executes, not what it computes: a run may be resumed with other values
-EXECUTION = ("rounds", "device", "workers")
+EXECUTION = ("rounds", "device", "workers", "batch_clients")
 
 
 def without_rounds(cfg: dict) -> dict:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from edgepfl.algorithms.training import ClientData, Trainer
+from edgepfl.algorithms.training import ClientData, FitRequest, Trainer
 from edgepfl.config import TrainConfig
 from edgepfl.federation.aggregate import ParamIndex
 from edgepfl.federation.messages import Message, check_entries
@@ -278,8 +278,35 @@ class Client(ABC):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult: ...
 
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest | None:
+        """This update's local training as a ``FitRequest``, for a client whose ``update``
+        is "start from some weights, ``fit``, reply from the weights it ends with" and says
+        so by defining this and ``finish`` (``update`` then reads ``run_update``). The
+        engine may then train the client together with others (``train.batch_clients``).
+        None (the default, or for this message): ``update`` runs whole."""
+        return None
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        """The update's result from its ``fit_request``'s trained weights and stats."""
+        raise NotImplementedError(f"{type(self).__name__} has a fit_request but no finish")
+
+    def run_update(self, cid: int, msg: Message, state: State, data: ClientData,
+                   gen: torch.Generator, idle: UpdateResult | None = None) -> UpdateResult:
+        """``update`` of a client that states its training: its request trained on the
+        client's trainer, then ``finish``; ``idle`` when it requests no training."""
+        request = self.fit_request(cid, msg, state, data, gen)
+        if request is None:
+            if idle is None:
+                raise RuntimeError(f"{type(self).__name__} requested no training and "
+                                   "gave no idle result")
+            return idle
+        return self.finish(cid, msg, state, data, *self.trainer.run(request))
+
     @abstractmethod
     def personal_model(self, state: State, eval_msg: Message | None) -> State: ...
+
 
     def predictive(self, cid: int, state: State, eval_msg: Message | None,
                    data: ClientData) -> dict[str, list[State]]:
@@ -289,6 +316,16 @@ class Client(ABC):
         class probabilities are averaged. ``data`` is the client's own training data, for a
         method whose protocol personalizes at test time (hierbayes' Eq. 33)."""
         return {"": [self.personal_model(state, eval_msg)]}
+
+
+def states_fit(client: Client) -> bool:
+    """Whether ``client``'s update is its ``fit_request`` and ``finish``: both defined by
+    the class that defines its ``update`` (a subclass that rewrites ``update`` alone
+    keeps its own update and is never batched)."""
+    def owner(name: str) -> type:
+        return next(c for c in type(client).__mro__ if name in c.__dict__)
+
+    return owner("fit_request") is not Client and owner("fit_request") is owner("update")
 
 
 class PersonalModelClient(Client):

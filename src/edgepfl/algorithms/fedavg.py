@@ -24,8 +24,8 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.local import sgd_request
+from edgepfl.algorithms.training import ClientData, FitRequest
 from edgepfl.federation.aggregate import ParamIndex, weighted_average
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_message
 
@@ -108,14 +108,20 @@ class FedAvgClient(Client):
         """Extra gradient term for subclasses (FedProx); FedAvg has none."""
         return None
 
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
-        self.trainer.load(msg.tensors)
-        stats = fit(self, data, gen, grad_hook=self.grad_hook(msg))
-        trained = self.trainer.export()
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
+        return sgd_request(self, msg.tensors, data, gen, grad_hook=self.grad_hook(msg))
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
         if self.hp.evaluate == "local":
             state = model_to_state(trained)
         return UpdateResult(Message(trained, {"num_samples": data.n}), state, stats)
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        # the global model, trained on the client's data, goes back with its sample count
+        return self.run_update(cid, msg, state, data, gen)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if self.hp.evaluate == "local":

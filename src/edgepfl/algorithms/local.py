@@ -19,7 +19,7 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.training import ClientData, FitRequest, GradHook
 from edgepfl.federation.messages import Message, MessageError, check_message
 
 EPOCHS = "epochs"
@@ -60,18 +60,24 @@ class LocalServer(Server):
 
 
 class LocalClient(PersonalModelClient):
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest | None:
         epochs = self.ctx.train.local_epochs
         if EPOCHS in msg.meta:
             epochs = msg.meta[EPOCHS]
             if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
                 raise MessageError(f"local: {EPOCHS} = {epochs!r}; expected an integer >= 0")
             if epochs == 0:  # the budget is spent: the model stays as it is
-                return UpdateResult(Message(), {}, {})
-        self.trainer.load(self.personal_model(state, None))
-        stats = fit(self, data, gen, epochs=epochs)
-        return UpdateResult(Message(), model_to_state(self.trainer.export()), stats)
+                return None
+        return sgd_request(self, self.personal_model(state, None), data, gen, epochs=epochs)
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        return UpdateResult(Message(), model_to_state(trained), stats)
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        return self.run_update(cid, msg, state, data, gen, idle=UpdateResult(Message(), {}, {}))
 
 
 def fit(client: Client, data: ClientData, gen: torch.Generator, epochs: int | None = None,
@@ -80,6 +86,14 @@ def fit(client: Client, data: ClientData, gen: torch.Generator, epochs: int | No
     t = client.ctx.train
     return client.trainer.fit(data, t.local_epochs if epochs is None else epochs, t.batch_size,
                               t.lr, gen, momentum=t.momentum, weight_decay=t.weight_decay, **hooks)
+
+
+def sgd_request(client: Client, weights: State, data: ClientData, gen: torch.Generator,
+                epochs: int | None = None, grad_hook: GradHook | None = None) -> FitRequest:
+    """``fit``'s training from ``weights`` as a ``FitRequest``."""
+    t = client.ctx.train
+    return FitRequest(weights, data, t.local_epochs if epochs is None else epochs,
+                      t.batch_size, t.lr, gen, t.momentum, t.weight_decay, grad_hook)
 
 
 ALGORITHM = Algorithm(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
 
 from edgepfl.data.aspect import cut, shape_groups
 from edgepfl.errors import ConfigError
@@ -240,6 +241,28 @@ def sgd_step(params: Sequence[torch.Tensor], lr: float, momentum: float, weight_
     return bufs
 
 
+@dataclass
+class FitRequest:
+    """One client's local training as data: the weights it starts from and ``Trainer.fit``'s
+    arguments. A client part that states its training this way (``Client.fit_request``)
+    lets the engine train a step's clients together (``train.batch_clients``)."""
+
+    weights: Mapping[str, torch.Tensor]
+    data: ClientData
+    epochs: int
+    batch_size: int
+    lr: float
+    gen: torch.Generator
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_hook: GradHook | None = None
+
+    def epochs_of_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches ``fit`` draws, in its order, from the request's own generator."""
+        for _ in range(self.epochs):
+            yield from self.data.batches(self.batch_size, self.gen)
+
+
 class Trainer:
     """One module skeleton that every client's weights pass through.
 
@@ -351,6 +374,98 @@ class Trainer:
                 p.grad = None
         return {"train_loss": float(loss_sum) / max(seen, 1), "steps": float(steps),
                 "samples": float(seen)}
+
+    def run(self, request: FitRequest) -> tuple[State, dict[str, float]]:
+        """``request`` trained on this skeleton: the weights it ends with and fit's stats."""
+        self.load(request.weights)
+        stats = self.fit(request.data, request.epochs, request.batch_size, request.lr,
+                         request.gen, momentum=request.momentum,
+                         weight_decay=request.weight_decay, grad_hook=request.grad_hook)
+        return self.export(), stats
+
+    def batchable(self, requests: Sequence[FitRequest]) -> bool:
+        """Whether ``fit_many`` can batch ``requests``: two or more, of this model's
+        parameters, one learning rate, momentum and weight decay, and a model whose train
+        mode keeps no per-client buffers or randomness (BatchNorm's statistics, dropout)."""
+        if len(requests) < 2 or self.buffers:
+            return False
+        if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in self.model.modules()):
+            return False
+        first = requests[0]
+        names = set(self.param_names)
+        return all(set(r.weights) == names and (r.lr, r.momentum, r.weight_decay)
+                   == (first.lr, first.momentum, first.weight_decay) for r in requests)
+
+    def fit_many(self, requests: Sequence[FitRequest]) -> list[tuple[State, dict[str, float]]]:
+        """``run`` of every request, their SGD steps batched with ``torch.func.vmap``.
+
+        The clients' weights are stacked; at each step the clients whose next batch has one
+        shape take one vmapped step together (all of them when their data are alike), and a
+        client whose epochs are done drops out. Every client draws its batches from its own
+        generator in ``fit``'s order and gets ``fit``'s weight decay, gradient hook and
+        momentum, so the weights equal those of one ``run`` after another within float
+        tolerance (batched kernels sum in another order) and the stats are ``fit``'s.
+        Requests ``batchable`` refuses run one after another.
+        """
+        if not self.batchable(requests):
+            return [self.run(r) for r in requests]
+        self._loaded = None
+        first, k, names = requests[0], len(requests), self.param_names
+        lr, momentum, weight_decay = first.lr, first.momentum, first.weight_decay
+        stacked = {n: torch.stack([r.weights[n] for r in requests]).to(self.device)
+                   for n in names}
+        bufs = {n: torch.zeros_like(t) for n, t in stacked.items()} if momentum else None
+        model = self.model
+        model.train()
+
+        def loss(params, x, y):
+            return F.cross_entropy(functional_call(model, params, (x,)), y)
+
+        step = vmap(grad_and_value(loss))
+        batches = [r.epochs_of_batches() for r in requests]
+        loss_sum = torch.zeros(k, device=self.device)
+        seen, steps = [0] * k, [0] * k
+        active = list(range(k))
+        while active:
+            drawn = {i: b for i in active if (b := next(batches[i], None)) is not None}
+            active = list(drawn)
+            groups: dict[tuple, list[int]] = {}
+            for i, (x, _) in drawn.items():
+                groups.setdefault(tuple(x.shape), []).append(i)
+            for members in groups.values():
+                whole = len(members) == k
+                idx = torch.tensor(members, device=self.device)
+                params = stacked if whole else {n: stacked[n][idx] for n in names}
+                x = torch.stack([drawn[i][0] for i in members]).to(self.device)
+                y = torch.stack([drawn[i][1] for i in members]).to(self.device)
+                grads, losses = step(params, x, y)
+                with torch.no_grad():
+                    p, g = [params[n] for n in names], [grads[n] for n in names]
+                    if weight_decay:
+                        torch._foreach_add_(g, p, alpha=weight_decay)
+                    for j, i in enumerate(members):
+                        if requests[i].grad_hook is not None:
+                            requests[i].grad_hook([t[j] for t in p], [t[j] for t in g])
+                    if bufs is not None:
+                        # a buffer starts at zero, so its first step is the gradient itself
+                        b = [bufs[n] if whole else bufs[n][idx] for n in names]
+                        torch._foreach_mul_(b, momentum)
+                        torch._foreach_add_(b, g)
+                        g = b
+                        if not whole:
+                            for n, t in zip(names, b, strict=True):
+                                bufs[n][idx] = t
+                    torch._foreach_add_(p, g, alpha=-lr)
+                    if not whole:
+                        for n, t in zip(names, p, strict=True):
+                            stacked[n][idx] = t
+                    loss_sum[idx] += losses * y.shape[1]
+                for i in members:
+                    seen[i] += int(y.shape[1])
+                    steps[i] += 1
+        return [({n: host(stacked[n][i]) for n in names},
+                 {"train_loss": float(loss_sum[i]) / max(seen[i], 1), "steps": float(steps[i]),
+                  "samples": float(seen[i])}) for i in range(k)]
 
     # -- evaluation -------------------------------------------------------------------
     @torch.inference_mode()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from edgepfl import __version__
+from edgepfl.algorithms.base import states_fit
 from edgepfl.algorithms.training import ClientData, TestData, eval_parts, sample_count
 from edgepfl.config import Config, build_config, comparable, config_diff, with_before
 from edgepfl.data.datasets import Dataset
@@ -138,7 +139,14 @@ class InProcess(Transport):
         self.flops = flops
         self.store = StackedStore(fed.num_clients)
         self._work_shapes: dict[int, tuple] = {}
-        workers = worker_count(parts.cfg.train.workers, parts.trainer.device)
+        train = parts.cfg.train
+        self.batch_clients = train.batch_clients
+        if self.batch_clients and train.workers not in (1, "auto"):
+            raise ConfigError(
+                f"train.batch_clients = true trains a step's clients together in this process, "
+                f"train.workers = {train.workers} in worker processes: choose one "
+                f"(train.workers = 1, or train.batch_clients = false)")
+        workers = 1 if self.batch_clients else worker_count(train.workers, parts.trainer.device)
         self.pool = WorkerPool(workers, self._worker_task) if workers > 1 else None
         for cid in range(fed.num_clients):
             arch = parts.architectures[fed.arch[cid]]
@@ -164,8 +172,13 @@ class InProcess(Transport):
         # in parallel every task is made before a reply is stored: the pool draws tasks in
         # a thread of its own, and a reply that adds entries to the store (an HMPL client
         # growing IP layers) must not change it under a task being read from it
-        for cid, new_state, reply, stats, flops in (
-                self.pool.map(list(tasks())) if parallel else map(self._worker_task, tasks())):
+        if parallel:
+            done = self.pool.map(list(tasks()))
+        elif self.batch_clients:
+            done = self._train_batched(list(tasks()))
+        else:
+            done = map(self._worker_task, tasks())
+        for cid, new_state, reply, stats, flops in done:
             counted = (self.flops.record(keys[cid], flops) if flops is not None
                        else self.flops.reuse(keys[cid]))
             self.store.set_row(cid, new_state)
@@ -186,6 +199,34 @@ class InProcess(Transport):
             result = part.update(cid, msg, state, self.train_data[cid],
                                  generator(self.seed, "client", step, cid))
         return cid, result.state, result.reply, result.stats, counted.flops
+
+    def _train_batched(self, tasks: list[tuple]) -> list[tuple]:
+        """``_worker_task`` of every task, the fits of clients that state them
+        (``Client.fit_request``) batched per architecture (``Trainer.fit_many``). A client
+        whose FLOPs are still to be counted trains alone under the meter, so that counts
+        stay those of one client's training."""
+        out: dict[int, tuple] = {}
+        waiting: dict[str, list[tuple]] = {}
+        for task in tasks:
+            _, step, cid, msg, state, count = task
+            part = self.parts[self.arch[cid]]
+            request = None
+            if not count and states_fit(part):
+                torch.manual_seed(derive_seed(self.seed, "torch", step, cid))
+                with training_rate(part, step_lr(self.cfg, step)):
+                    request = part.fit_request(cid, msg, state, self.train_data[cid],
+                                               generator(self.seed, "client", step, cid))
+            if request is None:
+                out[cid] = self._worker_task(task)
+            else:
+                waiting.setdefault(self.arch[cid], []).append((cid, msg, state, request))
+        for arch, jobs in waiting.items():
+            part = self.parts[arch]
+            trained = part.trainer.fit_many([request for *_, request in jobs])
+            for (cid, msg, state, _), (weights, stats) in zip(jobs, trained, strict=True):
+                result = part.finish(cid, msg, state, self.train_data[cid], weights, stats)
+                out[cid] = (cid, result.state, result.reply, result.stats, None)
+        return [out[task[2]] for task in tasks]
 
     def close(self) -> None:
         """Stop the worker processes (a transport is usable again afterwards)."""

@@ -1,0 +1,162 @@
+"""Clients trained together (``train.batch_clients``): a step's fits batched into one with
+``torch.func.vmap`` end where one fit after another does, within float tolerance, and a
+run gives the sequential run's metrics."""
+
+import math
+
+import pytest
+import torch
+
+from edgepfl.algorithms.base import states_fit
+from edgepfl.algorithms.fedavg import FedAvgClient
+from edgepfl.algorithms.fedprox import FedProxClient, proximal_hook
+from edgepfl.algorithms.kapc import KAPCClient
+from edgepfl.algorithms.training import ClientData, FitRequest, Trainer
+from edgepfl.engine.simulation import Simulation
+from edgepfl.errors import ConfigError
+from edgepfl.models import build_model
+from tests.conftest import fast_config, without_wall
+
+
+def requests(trainer: Trainer, sizes=(37, 50, 64), seed=0, **settings) -> list[FitRequest]:
+    """Clients of different sample counts (so their last batches differ in shape), each
+    starting from its own weights, with its own proximal anchor and generator."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(sizes), 1, 8, 8, generator=g)
+    y = torch.randint(0, 10, (sum(sizes),), generator=g)
+    out, start = [], 0
+    # from a seeded model, not the skeleton's weights (which hold the last client's)
+    base = {n: 0.1 * torch.randn(p.shape, generator=g) for n, p in trainer.params.items()}
+    for k, n in enumerate(sizes):
+        weights = {name: w + 0.01 * torch.randn(w.shape, generator=g)
+                   for name, w in base.items()}
+        weights.update({name: b.clone() for name, b in trainer.buffers.items()})
+        anchor = [torch.randn(p.shape, generator=g) for p in trainer.params.values()]
+        out.append(FitRequest(weights, ClientData(x, y, torch.arange(start, start + n)),
+                              settings.get("epochs", 2), 16, 0.05,
+                              torch.Generator().manual_seed(100 + k),
+                              momentum=settings.get("momentum", 0.9),
+                              weight_decay=settings.get("weight_decay", 1e-3),
+                              grad_hook=proximal_hook(0.1, anchor)))
+        start += n
+    return out
+
+
+def test_fit_many_batches_the_clients_and_ends_where_one_fit_after_another_does(monkeypatch):
+    torch.manual_seed(0)
+    trainer = Trainer(build_model("cnn_small", (1, 8, 8), 10))
+    one_by_one = [trainer.run(r) for r in requests(trainer)]
+    batched_requests = requests(trainer)
+    assert trainer.batchable(batched_requests)
+
+    def refuse(request):
+        raise AssertionError("fit_many fell back to one fit after another")
+
+    monkeypatch.setattr(trainer, "run", refuse)
+    batched = trainer.fit_many(batched_requests)
+    for (wa, sa), (wb, sb) in zip(one_by_one, batched, strict=True):
+        assert wa.keys() == wb.keys()
+        for name in wa:
+            assert wa[name].shape == wb[name].shape
+            assert torch.allclose(wa[name], wb[name], atol=1e-5), name
+        # every client drew its own batches: the same steps and samples, two epochs
+        assert (sa["steps"], sa["samples"]) == (sb["steps"], sb["samples"])
+        assert sa["train_loss"] == pytest.approx(sb["train_loss"], rel=1e-5)
+    assert [s["samples"] for _, s in batched] == [74.0, 100.0, 128.0]
+    assert [s["steps"] for _, s in batched] == [6.0, 8.0, 8.0]
+    # the clients moved: the comparison is not of untrained weights
+    start = requests(trainer)[0].weights
+    assert max(float((batched[0][0][n] - start[n]).abs().max()) for n in start) > 1e-2
+
+
+def test_batchable_refuses_buffers_dropout_mixed_settings_and_a_single_client():
+    trainer = Trainer(build_model("cnn_small", (1, 8, 8), 10))
+    assert trainer.batchable(requests(trainer))
+    assert not trainer.batchable(requests(trainer)[:1])
+    mixed = requests(trainer)
+    mixed[1].lr = 0.01
+    assert not trainer.batchable(mixed)
+    bn = Trainer(build_model("cnn_small_bn", (1, 8, 8), 10))  # BatchNorm's statistics
+    assert not bn.batchable(requests(bn))
+    dropout = Trainer(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5),
+                                          torch.nn.Linear(64, 10)))
+    assert not dropout.batchable(requests(dropout))
+    # refused requests still train, one after another, exactly as run does
+    first, second = requests(bn), requests(bn)  # before the skeleton's buffers move
+    a = [bn.run(r) for r in first]
+    b = bn.fit_many(second)
+    assert all(torch.equal(a[i][0][n], b[i][0][n]) for i in range(3) for n in a[i][0])
+
+
+def test_only_clients_whose_update_is_their_fit_request_are_batched():
+    class RewritesUpdate(FedAvgClient):
+        def update(self, cid, msg, state, data, gen):
+            return super().update(cid, msg, state, data, gen)
+
+    def bare(cls):
+        return cls.__new__(cls)
+
+    assert states_fit(bare(FedAvgClient)) and states_fit(bare(FedProxClient))
+    assert not states_fit(bare(RewritesUpdate))
+    assert not states_fit(bare(KAPCClient))
+
+
+CASES = {
+    "fedavg": ["train.momentum=0.5", "train.weight_decay=0.001"],
+    "fedprox": ["algorithm.mu=0.1"],
+    "fedavg-local": ["algorithm.evaluate=local"],
+    # its budget runs out after round 2: the idle round sends no fit request
+    "local": ["algorithm.total_epochs=2"],
+    "kapc": [],  # states no fit request: trains one client after another
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_batched_clients_give_the_sequential_runs_metrics(case, monkeypatch):
+    batched_steps = []
+    fit_many = Trainer.fit_many
+
+    def spy(self, reqs):
+        batched_steps.append(len(reqs) if self.batchable(reqs) else 0)
+        return fit_many(self, reqs)
+
+    monkeypatch.setattr(Trainer, "fit_many", spy)
+    runs = []
+    for batch in ("false", "true"):
+        sim = Simulation(fast_config(f"algorithm.name={case.split('-')[0]}",
+                                     f"train.batch_clients={batch}", *CASES[case]),
+                         progress=False)
+        sim.run()
+        runs.append(sim)
+    seq, bat = runs
+    if case == "kapc":
+        assert batched_steps == []
+    else:
+        # round 1 counts each client's FLOPs alone; later rounds batch all six clients
+        assert batched_steps and all(n == 6 for n in batched_steps)
+    for ra, rb in zip(without_wall(seq.metrics), without_wall(bat.metrics), strict=True):
+        assert ra.keys() == rb.keys()
+        for k, va in ra.items():
+            vb = rb[k]
+            if isinstance(va, float) and math.isnan(va):
+                assert math.isnan(vb), k
+            elif isinstance(va, float):
+                assert vb == pytest.approx(va, rel=1e-4, abs=1e-6), k
+            else:
+                assert va == vb, k
+    for a, b in ((seq.clients.state_dict("c/"), bat.clients.state_dict("c/")),
+                 (seq.server.save_state()[0], bat.server.save_state()[0])):
+        assert a.keys() == b.keys()
+        for k in a:
+            if a[k].is_floating_point():
+                assert torch.allclose(a[k], b[k], atol=1e-5), k
+            else:
+                assert torch.equal(a[k], b[k]), k
+
+
+def test_batched_clients_and_worker_processes_are_one_or_the_other():
+    with pytest.raises(ConfigError, match=r"train.batch_clients.*train.workers = 2"):
+        Simulation(fast_config("train.batch_clients=true", "train.workers=2"), progress=False)
+    sim = Simulation(fast_config("train.batch_clients=true", "train.workers=auto"),
+                     progress=False)
+    assert sim.transport.pool is None
