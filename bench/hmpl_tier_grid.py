@@ -23,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from collect_hmpl import pm, tier_final
+from collect_hmpl import mean, pm, tier_final
 from grid_runs import finished_runs, settings
 
 COM = (0.1, 0.2, 0.3, 0.4, 0.5)  # the paper's grid (Sec. IV-E)
@@ -56,7 +56,7 @@ def cells(roots: list[Path]) -> tuple[dict, int]:
 
 def mean_pct(values: list[float | None]) -> str:
     values = [v for v in values if v is not None]
-    return f"{100 * statistics.fmean(values):.2f}" if values else "-"
+    return f"{100 * mean(values):.2f}" if values else "-"
 
 
 def matrix(grid: dict, figure) -> list[str]:

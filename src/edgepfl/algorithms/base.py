@@ -307,7 +307,6 @@ class Client(ABC):
     @abstractmethod
     def personal_model(self, state: State, eval_msg: Message | None) -> State: ...
 
-
     def predictive(self, cid: int, state: State, eval_msg: Message | None,
                    data: ClientData) -> dict[str, list[State]]:
         """The models the client predicts with, by name: ``""`` is its personalized

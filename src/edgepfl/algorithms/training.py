@@ -226,6 +226,14 @@ def sgd_step(params: Sequence[torch.Tensor], lr: float, momentum: float, weight_
     weight decay, ``grad_hook``'s in-place terms and heavy-ball momentum; returns the
     momentum buffers to pass to the next step (None without momentum)."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return sgd_update(params, grads, lr, momentum, weight_decay, bufs, grad_hook)
+
+
+@torch.no_grad()
+def sgd_update(params: Sequence[torch.Tensor], grads: list[torch.Tensor], lr: float,
+               momentum: float, weight_decay: float, bufs: list[torch.Tensor] | None,
+               grad_hook: GradHook | None = None) -> list[torch.Tensor] | None:
+    """``sgd_step`` with the gradients given (changed in place)."""
     if weight_decay:
         torch._foreach_add_(grads, params, alpha=weight_decay)
     if grad_hook is not None:
@@ -261,6 +269,11 @@ class FitRequest:
         """The batches ``fit`` draws, in its order, from the request's own generator."""
         for _ in range(self.epochs):
             yield from self.data.batches(self.batch_size, self.gen)
+
+
+def fit_stats(loss_sum: float, seen: int, steps: int) -> dict[str, float]:
+    """What a fit returns: the mean training loss over its samples, its steps and samples."""
+    return {"train_loss": loss_sum / max(seen, 1), "steps": float(steps), "samples": float(seen)}
 
 
 class Trainer:
@@ -372,8 +385,7 @@ class Trainer:
                 p.requires_grad_(True)
             for p in params:
                 p.grad = None
-        return {"train_loss": float(loss_sum) / max(seen, 1), "steps": float(steps),
-                "samples": float(seen)}
+        return fit_stats(float(loss_sum), seen, steps)
 
     def run(self, request: FitRequest) -> tuple[State, dict[str, float]]:
         """``request`` trained on this skeleton: the weights it ends with and fit's stats."""
@@ -439,33 +451,30 @@ class Trainer:
                 x = torch.stack([drawn[i][0] for i in members]).to(self.device)
                 y = torch.stack([drawn[i][1] for i in members]).to(self.device)
                 grads, losses = step(params, x, y)
-                with torch.no_grad():
-                    p, g = [params[n] for n in names], [grads[n] for n in names]
-                    if weight_decay:
-                        torch._foreach_add_(g, p, alpha=weight_decay)
+
+                def hooks(p, g, members=members):
                     for j, i in enumerate(members):
                         if requests[i].grad_hook is not None:
                             requests[i].grad_hook([t[j] for t in p], [t[j] for t in g])
-                    if bufs is not None:
-                        # a buffer starts at zero, so its first step is the gradient itself
-                        b = [bufs[n] if whole else bufs[n][idx] for n in names]
-                        torch._foreach_mul_(b, momentum)
-                        torch._foreach_add_(b, g)
-                        g = b
-                        if not whole:
-                            for n, t in zip(names, b, strict=True):
-                                bufs[n][idx] = t
-                    torch._foreach_add_(p, g, alpha=-lr)
+
+                p = [params[n] for n in names]
+                # a buffer starts at zero, so its first step is the gradient itself
+                b = None if bufs is None else [bufs[n] if whole else bufs[n][idx] for n in names]
+                b = sgd_update(p, [grads[n] for n in names], lr, momentum, weight_decay, b,
+                               hooks)
+                with torch.no_grad():
                     if not whole:
                         for n, t in zip(names, p, strict=True):
                             stacked[n][idx] = t
+                        if bufs is not None and b is not None:
+                            for n, t in zip(names, b, strict=True):
+                                bufs[n][idx] = t
                     loss_sum[idx] += losses * y.shape[1]
                 for i in members:
                     seen[i] += int(y.shape[1])
                     steps[i] += 1
         return [({n: host(stacked[n][i]) for n in names},
-                 {"train_loss": float(loss_sum[i]) / max(seen[i], 1), "steps": float(steps[i]),
-                  "samples": float(seen[i])}) for i in range(k)]
+                 fit_stats(float(loss_sum[i]), seen[i], steps[i])) for i in range(k)]
 
     # -- evaluation -------------------------------------------------------------------
     @torch.inference_mode()

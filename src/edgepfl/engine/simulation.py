@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from edgepfl import __version__
-from edgepfl.algorithms.base import states_fit
+from edgepfl.algorithms.base import Client, states_fit
 from edgepfl.algorithms.training import ClientData, TestData, eval_parts, sample_count
 from edgepfl.config import Config, build_config, comparable, config_diff, with_before
 from edgepfl.data.datasets import Dataset
@@ -192,13 +192,19 @@ class InProcess(Transport):
         if task[0] == "eval":
             return self._evaluate_task(task[1])
         _, step, cid, msg, state, count = task
+        with self._as_client(step, cid) as (part, gen), \
+                FlopMeter(enabled=count, cache=False).measure() as counted:
+            result = part.update(cid, msg, state, self.train_data[cid], gen)
+        return cid, result.state, result.reply, result.stats, counted.flops
+
+    @contextmanager
+    def _as_client(self, step: int, cid: int) -> Iterator[tuple[Client, torch.Generator]]:
+        """Client ``cid``'s part in ``step``: the global RNG seeded and the step's rate lent
+        as for its update, with its batch generator."""
         torch.manual_seed(derive_seed(self.seed, "torch", step, cid))
         part = self.parts[self.arch[cid]]
-        with training_rate(part, step_lr(self.cfg, step)), \
-                FlopMeter(enabled=count, cache=False).measure() as counted:
-            result = part.update(cid, msg, state, self.train_data[cid],
-                                 generator(self.seed, "client", step, cid))
-        return cid, result.state, result.reply, result.stats, counted.flops
+        with training_rate(part, step_lr(self.cfg, step)):
+            yield part, generator(self.seed, "client", step, cid)
 
     def _train_batched(self, tasks: list[tuple]) -> list[tuple]:
         """``_worker_task`` of every task, the fits of clients that state them
@@ -209,13 +215,10 @@ class InProcess(Transport):
         waiting: dict[str, list[tuple]] = {}
         for task in tasks:
             _, step, cid, msg, state, count = task
-            part = self.parts[self.arch[cid]]
             request = None
-            if not count and states_fit(part):
-                torch.manual_seed(derive_seed(self.seed, "torch", step, cid))
-                with training_rate(part, step_lr(self.cfg, step)):
-                    request = part.fit_request(cid, msg, state, self.train_data[cid],
-                                               generator(self.seed, "client", step, cid))
+            if not count and states_fit(self.parts[self.arch[cid]]):
+                with self._as_client(step, cid) as (part, gen):
+                    request = part.fit_request(cid, msg, state, self.train_data[cid], gen)
             if request is None:
                 out[cid] = self._worker_task(task)
             else:
