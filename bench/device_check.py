@@ -1,13 +1,16 @@
 """The GPU check of ``train.device``: every algorithm run on the CPU and on CUDA from the
 same seed, compared round by round, then the time of a FedAvg and a KAPC round on each.
 
-    python bench/device_check.py [--rounds 2] [--out device_check.json]
+    python bench/device_check.py [--rounds 2] [--algorithms ...] [--gpu-set key=value ...]
+                                 [--out device_check.json]
 
 Needs a CUDA GPU. Small federations (Fashion-MNIST, 6 clients, 5% of the data, the
 algorithm's default model) keep the whole check to a few minutes; what it shows is that
 each algorithm runs on the GPU and lands where the CPU does. Exact equality is not
 expected: cuDNN's convolution kernels sum in another order than oneDNN's, and SGD
-carries the rounding differences on from there.
+carries the rounding differences on from there. ``--gpu-set`` adds settings to the GPU
+run alone: ``--gpu-set train.batch_clients=true`` compares clients trained together on the
+GPU with the CPU's one-after-another run.
 """
 
 from __future__ import annotations
@@ -48,11 +51,11 @@ def run(name: str, device: str, rounds: int, *extra: str) -> tuple[Simulation, f
     return sim, time.perf_counter() - start
 
 
-def compare(name: str, rounds: int, *extra: str) -> dict:
+def compare(name: str, rounds: int, *extra: str, gpu_only: tuple[str, ...] = ()) -> dict:
     row: dict = {"algorithm": name + (" (crops)" if extra else "")}
     try:
         cpu, t_cpu = run(name, "cpu", rounds, *extra)
-        gpu, t_gpu = run(name, "cuda", rounds, *extra)
+        gpu, t_gpu = run(name, "cuda", rounds, *extra, *gpu_only)
     except Exception as exc:  # the check reports every algorithm, failing ones included
         row["error"] = f"{type(exc).__name__}: {exc}"
         row["trace"] = traceback.format_exc()[-1500:]
@@ -78,6 +81,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--algorithms", nargs="*", default=sorted(ALGORITHMS))
+    p.add_argument("--gpu-set", nargs="*", default=[], dest="gpu_sets",
+                   help="settings of the GPU run only, e.g. train.batch_clients=true")
     p.add_argument("--out", default="device_check.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -89,13 +94,14 @@ def main() -> None:
             own = ALGORITHMS[name].default_model is not None
             cases.append((CROPS,) if own else (CROPS, "model.name=cnn2_spp"))
         for extra in cases:
-            row = compare(name, args.rounds, *extra)
+            row = compare(name, args.rounds, *extra, gpu_only=tuple(args.gpu_sets))
             print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
             rows.append(row)
             with open(args.out, "w") as f:  # after every row: a cut-off check keeps its rows
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "rows": rows}, f, indent=1)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+                           "gpu_sets": args.gpu_sets, "rows": rows}, f, indent=1)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, GPU run's own "
+          f"settings: {args.gpu_sets or 'none'}\n")
     print("| algorithm | acc CPU | acc GPU | max acc diff | max loss diff | max state diff |"
           " s CPU | s GPU |\n|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -31,7 +31,12 @@ PLAIN_SGD = {"l2sgd", "perfedavg", "perfedavg_hf", "pfedbayes", "pfedme"}  # ref
 
 
 @contextmanager
-def count_everything(key):
+def count_everything(key, store=None):
+    yield
+
+
+@contextmanager
+def count_everything_between():
     yield
 
 
@@ -39,6 +44,7 @@ def flops_by_round(name: str, replay: bool, monkeypatch) -> tuple[list, list]:
     with monkeypatch.context() as m:
         if not replay:
             m.setattr(training, "counted_once", count_everything)
+            m.setattr(training, "counter_aside", count_everything_between)
         # momentum: the first step of a fit differs from the rest (its buffer is made)
         momentum = 0 if name in PLAIN_SGD else 0.5
         sim = Simulation(fast_config(f"algorithm.name={name.split('-')[0]}", "train.rounds=2",
@@ -72,9 +78,10 @@ def test_a_fit_counts_each_batch_shape_once_and_the_repeats_outside_the_counter(
     real = training.counted_once
 
     @contextmanager
-    def spy(key):
-        with real(key):
-            under_counter.append((key[1], _get_current_dispatch_mode() is not None))
+    def spy(key, store=None):
+        with real(key, store):
+            if isinstance(key[1], tuple):  # a step's passes, keyed by batch shape
+                under_counter.append((key[1], _get_current_dispatch_mode() is not None))
             yield
 
     meter = FlopMeter(cache=False)
@@ -107,3 +114,76 @@ def test_counted_once_outside_a_meter_just_runs():
     with counted_once(("k",)):
         ran.append(1)
     assert ran == [1]
+
+
+def test_plain_fits_share_step_counts_across_clients_and_a_hook_keeps_its_own():
+    """The federation's first step of each shape is counted, every other client replays it;
+    a fit with frozen parameters counts its own passes, and a gradient hook's work is
+    counted in every fit that has one."""
+    torch.manual_seed(0)
+    trainer = Trainer(nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)))
+    clients = [ClientData(torch.randn(n, 5), torch.randint(0, 3, (n,)), torch.arange(n))
+               for n in (16, 16, 12)]
+    passes, updates = [], []
+    real = training.counted_once
+
+    @contextmanager
+    def spy(key, store=None):
+        with real(key, store):
+            counted = _get_current_dispatch_mode() is not None
+            (passes if isinstance(key[1], tuple) else updates).append(counted)
+            yield
+
+    def fit(data, **kw):
+        passes.clear()
+        updates.clear()
+        with FlopMeter(cache=False).measure() as m:
+            trainer.fit(data, 1, 8, 0.1, torch.Generator().manual_seed(0), **kw)
+        return m.flops, list(passes), list(updates)
+
+    # per sample: forward 2*(5*4 + 4*3), backward the weight gradients of both layers and
+    # the input gradient of the second (the first layer's input needs none)
+    full = 2 * (5 * 4 + 4 * 3) + 2 * (5 * 4 + 4 * 3) + 2 * 4 * 3
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(training, "counted_once", spy)
+        assert fit(clients[0]) == (16 * full, [True, False], [True, False])
+        # another client: every step replayed
+        assert fit(clients[1]) == (16 * full, [False, False], [False, False])
+        assert fit(clients[2]) == (12 * full, [False, True], [False, False])  # 4 is new
+        # only the last layer trained: forward as before, backward its weight gradient only
+        head = ["2.weight", "2.bias"]
+        assert fit(clients[0], trainable=head)[:2] == (
+            16 * (2 * (5 * 4 + 4 * 3) + 2 * 4 * 3), [True, False])
+
+        def hook(params, grads):
+            grads[0].add_(torch.ones(4, 2) @ torch.ones(2, 5))  # 2*4*2*5 FLOPs per step
+
+        # the passes are shared, the hook's update is counted once in each fit
+        assert fit(clients[0], grad_hook=hook) == (16 * full + 2 * 80, [False, False],
+                                                   [True, False])
+        assert fit(clients[1], grad_hook=hook) == (16 * full + 2 * 80, [False, False],
+                                                   [True, False])
+
+        def extra(model, logits, x, y):
+            return (x @ torch.ones(5, 1)).sum() * 0  # 2*5 FLOPs per sample, nothing to back
+        # a loss hook's passes are its own: counted per shape in each fit
+        with_loss = fit(clients[1], loss_hook=extra)
+        assert with_loss[1:] == ([True, False], [False, False])
+        assert with_loss[0] == 16 * full + 16 * 2 * 5
+
+
+def test_a_fit_draws_its_batches_outside_the_counter():
+    """Drawing a batch (index, normalise) has no FLOPs; under the counter each of its
+    operators would be a dispatch through Python in every step of a counted update."""
+    modes = []
+
+    class Watched(ClientData):
+        def batches(self, batch_size, gen):
+            for batch in super().batches(batch_size, gen):
+                modes.append(_get_current_dispatch_mode())
+                yield batch
+
+    trainer = Trainer(nn.Linear(5, 3))
+    data = Watched(torch.randn(30, 5), torch.randint(0, 3, (30,)), torch.arange(30))
+    assert _fit(FlopMeter(cache=False), data, trainer) == 60 * 2 * (2 * 5 * 3)
+    assert len(modes) == 8 and all(m is None for m in modes)

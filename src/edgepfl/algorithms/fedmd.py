@@ -51,7 +51,7 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData, sgd_step
+from edgepfl.algorithms.training import ClientData, sgd_step, to_device
 from edgepfl.data.datasets import DATASETS, Dataset, load_dataset, resolve_data_root
 from edgepfl.errors import ConfigError
 from edgepfl.federation.accounting import counted_once
@@ -335,7 +335,7 @@ class FedMDClient(PersonalModelClient):
                     batch = order[start:start + hp.digest_batch_size]
                     with counted_once((call, batch.numel(), bufs is None)):
                         loss = distance(model(trainer.layout(x[batch])),
-                                        target[batch].to(trainer.device, non_blocking=True))
+                                        to_device(target[batch], trainer.device))
                         for p in params:
                             p.grad = None
                         loss.backward()

@@ -47,7 +47,7 @@ from edgepfl.algorithms.base import (
     UpdateResult,
 )
 from edgepfl.algorithms.fedavg import check_model_reply, num_samples
-from edgepfl.algorithms.training import ClientData, host
+from edgepfl.algorithms.training import ClientData, host, to_device
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator
@@ -317,7 +317,7 @@ class PFedBayesClient(Client):
         loss_sum, seen, steps = 0.0, 0, 0
         for _ in range(t.local_epochs):
             for xb, yb in data.batches(t.batch_size, gen):
-                xb, yb = self.trainer.layout(xb), yb.to(self.trainer.device, non_blocking=True)
+                xb, yb = self.trainer.layout(xb), to_device(yb, self.trainer.device)
                 for _ in range(hp.personal_steps):
                     g_mu, g_rho, loss = self._data_grads(mu_i, rho_i, xb, yb, noise)
                     if t.weight_decay:

@@ -39,7 +39,7 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.fedavg import FedAvgServer, average_models
 from edgepfl.algorithms.fedprox import proximal_hook
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.training import ClientData, to_device
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 
@@ -100,7 +100,7 @@ class PFedMeClient(Client):
         loss_sum, seen, steps = 0.0, 0, 0
         for _ in range(t.local_epochs):
             for xb, yb in data.batches(t.batch_size, gen):
-                xb, yb = tr.layout(xb), yb.to(tr.device, non_blocking=True)
+                xb, yb = tr.layout(xb), to_device(yb, tr.device)
                 for _ in range(hp.K):
                     loss = F.cross_entropy(model(xb), yb)
                     grads = torch.autograd.grad(loss, params, allow_unused=True)

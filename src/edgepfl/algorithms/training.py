@@ -22,7 +22,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from edgepfl.data.aspect import cut, shape_groups
 from edgepfl.errors import ConfigError
-from edgepfl.federation.accounting import counted_once
+from edgepfl.federation.accounting import counted_once, counter_aside
 from edgepfl.federation.aggregate import weighted_average  # noqa: F401 (re-exported)
 from edgepfl.models.layers import LayerSpec
 
@@ -188,6 +188,20 @@ def host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", memory_format=torch.contiguous_format)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, queued without waiting for the GPU.
+
+    A CUDA copy from pageable host memory first waits until every kernel already queued
+    has run (CUDA's "API synchronization behavior"): one such copy per batch would leave a
+    launch-bound GPU idle while the host gathers the next batch. Staged in pinned memory,
+    the copy is queued like a kernel; PyTorch's caching host allocator keeps the pinned
+    block until the copy is done. Anywhere else it is ``t.to(device)``.
+    """
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)
+
+
 def select_device(setting: str) -> torch.device:
     """``train.device``: ``auto`` is CUDA when PyTorch sees a GPU, else the CPU."""
     if setting == "auto":
@@ -300,6 +314,9 @@ class Trainer:
         self.state_names = self.param_names + list(self.buffers)
         self.eval_batch_size = eval_batch_size
         self._loaded: object | None = None
+        # FLOPs of a plain training step per (gradients, batch shape, first step): a
+        # function of this skeleton's architecture and those alone (``counted_once``)
+        self._step_flops: dict[object, int] = {}
 
     # -- weights in and out of the skeleton ---------------------------------------
     def load(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
@@ -326,7 +343,7 @@ class Trainer:
     def layout(self, x: torch.Tensor) -> torch.Tensor:
         """A batch on the skeleton's device and in its memory layout (the layout is a no-op
         for one-channel images)."""
-        x = x.to(self.device, non_blocking=True)
+        x = to_device(x, self.device)
         if self.channels_last and x.dim() == 4:
             return x.contiguous(memory_format=torch.channels_last)
         return x
@@ -334,7 +351,7 @@ class Trainer:
     def place(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` (anchors from a message, targets of a loss) on the skeleton's device,
         for a hook that meets them with its parameters; on the CPU, the same tensors."""
-        return [t.to(self.device, non_blocking=True) for t in tensors]
+        return [to_device(t, self.device) for t in tensors]
 
     def forget(self) -> None:
         self._loaded = None
@@ -363,23 +380,33 @@ class Trainer:
         seen = 0
         steps = 0
         # A fit's steps differ only in batch shape (and momentum's first step): the FLOP
-        # meter counts one step per shape and lets the rest run outside its counter.
-        call = object()
+        # meter counts one step per shape and lets the rest run outside its counter. The
+        # forward and backward passes of a step without a loss hook depend on nothing else
+        # but which parameters get gradients, and the update without a gradient hook on
+        # nothing at all, so those counts are shared across clients; a hook may do work of
+        # its own, so the part with a hook keeps its counts to this fit.
+        graded = tuple(n for n, p in self.params.items() if p.requires_grad)
+        shared = self._step_flops
+        passes, passes_store = (("passes", graded), shared) if loss_hook is None else (object(), None)
+        update, update_store = (("update", graded), shared) if grad_hook is None else (object(), None)
         try:
-            for _ in range(epochs):
-                for xb, yb in data.batches(batch_size, gen):
-                    with counted_once((call, tuple(xb.shape), bufs is None)):
-                        xb, yb = self.layout(xb), yb.to(self.device, non_blocking=True)
-                        logits = model(xb)
-                        loss = F.cross_entropy(logits, yb)
-                        total = loss if loss_hook is None else loss + loss_hook(model, logits, xb, yb)
-                        for p in params:
-                            p.grad = None
-                        total.backward()
-                        bufs = sgd_step(params, lr, momentum, weight_decay, bufs, grad_hook)
-                        loss_sum += loss.detach() * yb.numel()
-                    seen += yb.numel()
-                    steps += 1
+            with counter_aside():  # drawing batches counts no FLOPs: no dispatch through it
+                for _ in range(epochs):
+                    for xb, yb in data.batches(batch_size, gen):
+                        with counted_once((passes, tuple(xb.shape)), passes_store):
+                            xb, yb = self.layout(xb), to_device(yb, self.device)
+                            logits = model(xb)
+                            loss = F.cross_entropy(logits, yb)
+                            total = (loss if loss_hook is None
+                                     else loss + loss_hook(model, logits, xb, yb))
+                            for p in params:
+                                p.grad = None
+                            total.backward()
+                            loss_sum += loss.detach() * yb.numel()
+                        with counted_once((update, bufs is None), update_store):
+                            bufs = sgd_step(params, lr, momentum, weight_decay, bufs, grad_hook)
+                        seen += yb.numel()
+                        steps += 1
         finally:
             for p in frozen:
                 p.requires_grad_(True)
@@ -446,10 +473,10 @@ class Trainer:
                 groups.setdefault(tuple(x.shape), []).append(i)
             for members in groups.values():
                 whole = len(members) == k
-                idx = torch.tensor(members, device=self.device)
+                idx = to_device(torch.tensor(members), self.device)
                 params = stacked if whole else {n: stacked[n][idx] for n in names}
-                x = torch.stack([drawn[i][0] for i in members]).to(self.device)
-                y = torch.stack([drawn[i][1] for i in members]).to(self.device)
+                x = to_device(torch.stack([drawn[i][0] for i in members]), self.device)
+                y = to_device(torch.stack([drawn[i][1] for i in members]), self.device)
                 grads, losses = step(params, x, y)
 
                 def hooks(p, g, members=members):
@@ -494,7 +521,7 @@ class Trainer:
         loss = 0.0
         for start in range(0, y.numel(), self.eval_batch_size):
             xb = self.layout(x[start:start + self.eval_batch_size])
-            yb = y[start:start + self.eval_batch_size].to(self.device, non_blocking=True)
+            yb = to_device(y[start:start + self.eval_batch_size], self.device)
             logits = self.model(xb)
             correct += int((logits.argmax(1) == yb).sum())
             loss += float(F.cross_entropy(logits, yb, reduction="sum"))

@@ -2,7 +2,8 @@
 the round is the algorithm's: ``not_counted`` marks evaluation-only work inside an update
 (FedBABU's fine-tuning), and the runtime's FLOP meter leaves it out. ``counted_once`` marks
 work that repeats with the same shapes (a training step per batch shape), so that the meter
-counts it once and lets the repeats run at full speed.
+counts it once and lets the repeats run at full speed; ``counter_aside`` keeps the counter
+off for the FLOP-free glue between such blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class ActiveCount:
     replayed: int = 0  # FLOPs of ``counted_once`` repeats, which ran outside the counter
     repeats: dict[Hashable, int] = field(default_factory=dict)
     offset: int = 0  # the counter's total before it was last re-entered (which clears it)
+    aside: bool = False  # inside ``counter_aside``: the counter is off but for new blocks
 
     def total(self) -> int:
         """FLOPs the counter has seen in this measured block."""
@@ -54,7 +56,7 @@ def not_counted() -> Iterator[None]:
 
 
 @contextmanager
-def counted_once(key: Hashable) -> Iterator[None]:
+def counted_once(key: Hashable, store: dict[Hashable, int] | None = None) -> Iterator[None]:
     """Run a block whose FLOPs are a function of ``key`` (shapes, not values): the first
     time within the enclosing ``FlopMeter.measure`` it is counted, every later time it runs
     with the counter off and its first count is added instead.
@@ -63,29 +65,85 @@ def counted_once(key: Hashable) -> Iterator[None]:
     about 2.5x a plain one); a client's hundreds of steps repeat a handful of batch shapes.
     Outside a measured block it simply runs the block. The caller makes ``key`` unique to
     the work's code path (e.g. one object per ``Trainer.fit`` call plus the batch shape).
+    With ``store`` (a dict the caller keeps, e.g. one per module skeleton) the count
+    outlives the measured block: every client of an architecture then shares the counts
+    of its batch shapes, so only the federation's first step of each shape is counted.
     """
     active = ACTIVE.get()
     if active is None:
         yield
         return
-    known = active.repeats.get(key)
+    counts = active.repeats if store is None else store
+    known = counts.get(key)
     counter = active.counter
-    if known is None or counter.mode is None or _get_current_dispatch_mode() is not counter.mode:
+    if active.aside:
+        if known is None:  # the counter comes back for this block only
+            with _counter_on(active):
+                before = active.total()
+                yield
+                counts.setdefault(key, active.total() - before)
+            return
+        yield
+    elif known is None or counter.mode is None or _get_current_dispatch_mode() is not counter.mode:
         # first time, or another dispatch mode sits above the counter: count it
         before = active.total()
         yield
-        active.repeats.setdefault(key, active.total() - before)
+        counts.setdefault(key, active.total() - before)
         return
-    # The whole counter steps aside, its module tracker too (whose hooks on every module
-    # call and output would otherwise cost a tenth of a step); re-entering clears its
-    # tally, which ``offset`` keeps.
-    seen = active.total()
-    counter.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        counter.__enter__()
-        active.offset = seen
+    else:
+        with _counter_off(active):
+            yield
     active.replayed += known
     if active.depth:  # inside ``not_counted``: left out, as its counted first time was
         active.excluded += known
+
+
+@contextmanager
+def counter_aside() -> Iterator[None]:
+    """Run a loop of ``counted_once`` blocks with the counter off between them.
+
+    For the glue of a repeated step that does no counted arithmetic (drawing a batch by
+    index, normalising it): under the counter each of its operators would be a dispatch
+    through Python, in every step of a counted update. Inside, only a ``counted_once``
+    block whose key is new runs under the counter; so everything with FLOPs in the block
+    must be in one. Outside a measured block, or where another dispatch mode sits above
+    the counter, it simply runs the block.
+    """
+    active = ACTIVE.get()
+    if (active is None or active.aside or active.counter.mode is None
+            or _get_current_dispatch_mode() is not active.counter.mode):
+        yield
+        return
+    with _counter_off(active):
+        active.aside = True
+        try:
+            yield
+        finally:
+            active.aside = False
+
+
+@contextmanager
+def _counter_off(active: ActiveCount) -> Iterator[None]:
+    """The whole counter steps aside, its module tracker too (whose hooks on every module
+    call and output would otherwise cost a tenth of a step); re-entering clears its tally,
+    which ``offset`` keeps."""
+    active.counter.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        seen = active.total()  # blocks counted meanwhile (``counter_aside``) included
+        active.counter.__enter__()
+        active.offset = seen
+
+
+@contextmanager
+def _counter_on(active: ActiveCount) -> Iterator[None]:
+    """The counter back for one block inside ``counter_aside`` (its tally, cleared on
+    entering, is kept in ``offset``)."""
+    seen = active.total()
+    active.counter.__enter__()
+    active.offset = seen
+    try:
+        yield
+    finally:
+        active.counter.__exit__(None, None, None)
