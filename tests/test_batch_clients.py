@@ -8,9 +8,13 @@ import pytest
 import torch
 
 from edgepfl.algorithms.base import states_fit
+from edgepfl.algorithms.clusterfl import ClusterFLClient
+from edgepfl.algorithms.dcpfl import DCPFLClient
+from edgepfl.algorithms.fedamp import FedAMPClient
 from edgepfl.algorithms.fedavg import FedAvgClient
 from edgepfl.algorithms.fedprox import FedProxClient, proximal_hook
-from edgepfl.algorithms.kapc import KAPCClient
+from edgepfl.algorithms.kapc import KAPCBLSClient, KAPCClient
+from edgepfl.algorithms.moon import MOONClient
 from edgepfl.algorithms.training import ClientData, FitRequest, Trainer
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
@@ -96,9 +100,11 @@ def test_only_clients_whose_update_is_their_fit_request_are_batched():
     def bare(cls):
         return cls.__new__(cls)
 
-    assert states_fit(bare(FedAvgClient)) and states_fit(bare(FedProxClient))
+    for cls in (FedAvgClient, FedProxClient, KAPCClient, KAPCBLSClient, DCPFLClient,
+                FedAMPClient, ClusterFLClient):
+        assert states_fit(bare(cls)), cls
     assert not states_fit(bare(RewritesUpdate))
-    assert not states_fit(bare(KAPCClient))
+    assert not states_fit(bare(MOONClient))  # its loss runs two more models: no FitRequest
 
 
 CASES = {
@@ -107,8 +113,24 @@ CASES = {
     "fedavg-local": ["algorithm.evaluate=local"],
     # its budget runs out after round 2: the idle round sends no fit request
     "local": ["algorithm.total_epochs=2"],
-    "kapc": [],  # states no fit request: trains one client after another
+    "kapc": ["algorithm.lam=0.5"],  # the coaching term: a gradient hook per client
+    # Algorithm 4's layer selection in finish, from the trained weights; its partial
+    # regularizers change a client's work signature every round (counted alone again), so
+    # counting is off for every round to batch
+    "kapc_bls": ["system.count_flops=false"],
+    "kapc-l2": ["algorithm.coaching_loss=l2", "algorithm.allow_plain_norm=true"],
+    "dcpfl": [],  # its trial rounds train two models: those clients run whole
+    "fedamp": [],
+    "clusterfl": [],  # warm-up rounds without a hook, then ADMM rounds with one
+    "moon": [],  # states no fit request: trains one client after another
 }
+
+
+# One clusterfl client's fit ends 6.2e-5 from the sequential one: a difference of memory
+# layout, not of batching. Two one-after-another fits of it, on the skeleton's
+# channels-last kernels and on NCHW ones (which vmap's batched kernels use), are as far
+# apart; the batched fit is 3e-8 from the NCHW one.
+STATE_ATOL = {"clusterfl": 1e-4}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -129,7 +151,7 @@ def test_batched_clients_give_the_sequential_runs_metrics(case, monkeypatch):
         sim.run()
         runs.append(sim)
     seq, bat = runs
-    if case == "kapc":
+    if case == "moon":
         assert batched_steps == []
     else:
         # round 1 counts each client's FLOPs alone; later rounds batch all six clients
@@ -149,7 +171,7 @@ def test_batched_clients_give_the_sequential_runs_metrics(case, monkeypatch):
         assert a.keys() == b.keys()
         for k in a:
             if a[k].is_floating_point():
-                assert torch.allclose(a[k], b[k], atol=1e-5), k
+                assert torch.allclose(a[k], b[k], atol=STATE_ATOL.get(case, 1e-5)), k
             else:
                 assert torch.equal(a[k], b[k]), k
 

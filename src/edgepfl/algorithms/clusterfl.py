@@ -45,8 +45,8 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.fedprox import proximal_hook
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.local import sgd_request
+from edgepfl.algorithms.training import ClientData, FitRequest
 from edgepfl.federation.messages import Message, MessageError, check_message
 from edgepfl.federation.store import StackedStore
 
@@ -255,23 +255,28 @@ class ClusterFLServer(Server):
 
 # -- client ----------------------------------------------------------------------------------
 class ClusterFLClient(PersonalModelClient):
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
-        self.trainer.load(self.personal_model(state, None))
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
         names = self.trainer.param_names
+        hook = None
         if msg.tensors:  # ADMM round: the message is the anchor z_c - u_i
             missing = set(names) - set(msg.tensors)
             if missing:
                 raise MessageError(f"ClusterFL anchor lacks {sorted(missing)}")
             hook = proximal_hook(self.hp.rho, self.trainer.place([msg.tensors[n] for n in names]))
-            stats = fit(self, data, gen, grad_hook=hook)
-            upload = True
-        else:  # warm-up: plain local training; upload only when asked (for clustering)
-            stats = fit(self, data, gen)
-            upload = bool(msg.meta.get("upload", False))
-        trained = self.trainer.export()
-        reply = Message({n: trained[n] for n in names}) if upload else Message()
+        # warm-up (no anchor): plain local training
+        return sgd_request(self, self.personal_model(state, None), data, gen, grad_hook=hook)
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        # an ADMM round uploads; a warm-up round only when asked (for clustering)
+        upload = bool(msg.tensors) or bool(msg.meta.get("upload", False))
+        reply = Message({n: trained[n] for n in self.trainer.param_names}) if upload else Message()
         return UpdateResult(reply, model_to_state(trained), stats)
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        return self.run_update(cid, msg, state, data, gen)
 
 
 ALGORITHM = Algorithm(

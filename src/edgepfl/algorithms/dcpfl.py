@@ -43,8 +43,8 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData, weighted_average
+from edgepfl.algorithms.local import fit, sgd_request
+from edgepfl.algorithms.training import ClientData, FitRequest, weighted_average
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import (
     COUNT,
@@ -604,17 +604,30 @@ class DCPFLClient(PersonalModelClient):
             return 0.0
         return sum(self.trainer.evaluate(state, x, y)[1] for x, y in data.buckets()) / data.n
 
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest | None:
+        """Local SGD from the group's layers over the client's own (None for a trial round,
+        which trains two models: ``update`` runs it whole)."""
+        if msg.meta.get("mode") == "trial":
+            return None
+        msg.require("up")
+        return sgd_request(self, self._held(msg, state), data, gen)
+
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
-        mode = msg.meta.get("mode")
-        if mode == "trial":
+        if msg.meta.get("mode") == "trial":
             return self._trial(msg, data, gen)
-        msg.require("up")
-        held = {**self.personal_model(state, None), **msg.tensors}
-        loss = self._loss(held, data)  # l_i(t): the received model before local SGD (Sec. III-C)
-        self.trainer.load(held)
-        stats = fit(self, data, gen)
-        weights = self.trainer.export()
+        return self.run_update(cid, msg, state, data, gen)
+
+    def _held(self, msg: Message, state: State) -> State:
+        """The model the client starts from: the received layers over its own."""
+        return {**self.personal_model(state, None), **msg.tensors}
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               weights: State, stats: dict[str, float]) -> UpdateResult:
+        # l_i(t): the received model before local SGD (Sec. III-C); evaluating it after the
+        # training gives the same figure (neither draws randomness nor changes it)
+        loss = self._loss(self._held(msg, state), data)
         up = [int(i) for i in msg.meta["up"]]  # type: ignore[union-attr]
         names = self.ctx.layers.params_of(up)
         if len(up) == len(self.ctx.layers):

@@ -31,8 +31,8 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.fedprox import proximal_hook
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.local import sgd_request
+from edgepfl.algorithms.training import ClientData, FitRequest
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError, check_message
 
@@ -122,18 +122,23 @@ class FedAMPServer(Server):
 
 
 class FedAMPClient(PersonalModelClient):
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
         missing = set(self.trainer.param_names) - set(msg.tensors)
         if missing:
             raise MessageError(f"FedAMP cloud model lacks {sorted(missing)}")
         # local training continues the client's own personal model, pulled towards u_i
-        self.trainer.load(self.personal_model(state, None))
         anchor = self.trainer.place([msg.tensors[n] for n in self.trainer.param_names])
         hook = proximal_hook(self.hp.lamda / self.hp.alphaK, anchor)
-        stats = fit(self, data, gen, grad_hook=hook)
-        model = self.trainer.export()
-        return UpdateResult(Message(model), model_to_state(model), stats)
+        return sgd_request(self, self.personal_model(state, None), data, gen, grad_hook=hook)
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        return UpdateResult(Message(trained), model_to_state(trained), stats)
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        return self.run_update(cid, msg, state, data, gen)
 
 
 ALGORITHM = Algorithm(

@@ -52,8 +52,8 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData, server_device
+from edgepfl.algorithms.local import sgd_request
+from edgepfl.algorithms.training import ClientData, FitRequest, server_device
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError, check_message
 from edgepfl.federation.rng import derive_seed, generator
@@ -649,17 +649,24 @@ class KAPCClient(PersonalModelClient):
             targets.append(t)
         return targets
 
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
+        """Local SGD from the client's own model, pulled towards its coaching target."""
         previous = self.personal_model(state, None)
-        self.trainer.load(previous)
         targets = self._targets(msg, previous)
         hook = None
         if self.hp.lam > 0:  # lambda = 0 adds nothing at all: exactly local training
             hook = coaching_hook(self.hp.lam, self.trainer.place(targets), self.hp.coaching_loss,
                                  self.groups)
-        stats = fit(self, data, gen, grad_hook=hook)
-        trained = self.trainer.export()
+        return sgd_request(self, previous, data, gen, grad_hook=hook)
+
+    def update(self, cid: int, msg: Message, state: State, data: ClientData,
+               gen: torch.Generator) -> UpdateResult:
+        return self.run_update(cid, msg, state, data, gen)
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        targets = self._targets(msg, self.personal_model(state, None))
         new_state: State = model_to_state(trained)
         count = len(self.spec)
         if self.bls:
