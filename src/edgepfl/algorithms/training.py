@@ -517,15 +517,17 @@ class Trainer:
             self.load(state)
             self._loaded = state  # a held reference, so identity cannot be recycled
         self.model.eval()
-        correct = 0
-        loss = 0.0
+        # summed on the device (in float64, as Python's floats would), read once: reading
+        # per batch would wait for the GPU every batch
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for start in range(0, y.numel(), self.eval_batch_size):
             xb = self.layout(x[start:start + self.eval_batch_size])
             yb = to_device(y[start:start + self.eval_batch_size], self.device)
             logits = self.model(xb)
-            correct += int((logits.argmax(1) == yb).sum())
-            loss += float(F.cross_entropy(logits, yb, reduction="sum"))
-        return correct, loss
+            correct += (logits.argmax(1) == yb).sum()
+            loss += F.cross_entropy(logits, yb, reduction="sum").double()
+        return int(correct), float(loss)
 
     @torch.inference_mode()
     def evaluate_predictive(self, states: Sequence[Mapping[str, torch.Tensor]], x: torch.Tensor,
