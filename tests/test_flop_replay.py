@@ -187,3 +187,31 @@ def test_a_fit_draws_its_batches_outside_the_counter():
     data = Watched(torch.randn(30, 5), torch.randint(0, 3, (30,)), torch.arange(30))
     assert _fit(FlopMeter(cache=False), data, trainer) == 60 * 2 * (2 * 5 * 3)
     assert len(modes) == 8 and all(m is None for m in modes)
+
+
+def test_counted_once_blocks_nest_inside_the_loop_that_keeps_the_counter_aside():
+    """A new block inside ``counter_aside`` counts what it runs, a block nested in it (new or
+    seen) as it would outside the loop, and the glue between blocks counts nothing."""
+    from edgepfl.federation.accounting import counter_aside
+
+    a, b = torch.ones(4, 3), torch.ones(3, 2)  # one product: 2*4*3*2 = 48 FLOPs
+
+    def block(key, inner=None):
+        with counted_once(key):
+            a @ b
+            if inner is not None:
+                with counted_once(inner):
+                    a @ b
+
+    with FlopMeter(cache=False).measure() as m:
+        with counter_aside():
+            for _ in range(3):
+                a @ b  # glue: not counted
+                block("outer", inner="inner")
+            block("other", inner="inner")  # new outer, seen inner
+    assert m.flops == 3 * 96 + 96
+    with FlopMeter(cache=False).measure() as plain:
+        for _ in range(3):
+            block("outer", inner="inner")
+        block("other", inner="inner")
+    assert plain.flops == m.flops

@@ -26,6 +26,7 @@ class ActiveCount:
     repeats: dict[Hashable, int] = field(default_factory=dict)
     offset: int = 0  # the counter's total before it was last re-entered (which clears it)
     aside: bool = False  # inside ``counter_aside``: the counter is off but for new blocks
+    replaying: int = 0  # of open replayed blocks: their first count holds what they nest
 
     def total(self) -> int:
         """FLOPs the counter has seen in this measured block."""
@@ -70,7 +71,7 @@ def counted_once(key: Hashable, store: dict[Hashable, int] | None = None) -> Ite
     of its batch shapes, so only the federation's first step of each shape is counted.
     """
     active = ACTIVE.get()
-    if active is None:
+    if active is None or active.replaying:
         yield
         return
     counts = active.repeats if store is None else store
@@ -83,7 +84,8 @@ def counted_once(key: Hashable, store: dict[Hashable, int] | None = None) -> Ite
                 yield
                 counts.setdefault(key, active.total() - before)
             return
-        yield
+        with _replaying(active):
+            yield
     elif known is None or counter.mode is None or _get_current_dispatch_mode() is not counter.mode:
         # first time, or another dispatch mode sits above the counter: count it
         before = active.total()
@@ -91,7 +93,7 @@ def counted_once(key: Hashable, store: dict[Hashable, int] | None = None) -> Ite
         counts.setdefault(key, active.total() - before)
         return
     else:
-        with _counter_off(active):
+        with _counter_off(active), _replaying(active):
             yield
     active.replayed += known
     if active.depth:  # inside ``not_counted``: left out, as its counted first time was
@@ -110,7 +112,7 @@ def counter_aside() -> Iterator[None]:
     the counter, it simply runs the block.
     """
     active = ACTIVE.get()
-    if (active is None or active.aside or active.counter.mode is None
+    if (active is None or active.aside or active.replaying or active.counter.mode is None
             or _get_current_dispatch_mode() is not active.counter.mode):
         yield
         return
@@ -120,6 +122,17 @@ def counter_aside() -> Iterator[None]:
             yield
         finally:
             active.aside = False
+
+
+@contextmanager
+def _replaying(active: ActiveCount) -> Iterator[None]:
+    """A block whose first count is being added instead of counted: what it nests was in
+    that count already."""
+    active.replaying += 1
+    try:
+        yield
+    finally:
+        active.replaying -= 1
 
 
 @contextmanager
@@ -139,11 +152,13 @@ def _counter_off(active: ActiveCount) -> Iterator[None]:
 @contextmanager
 def _counter_on(active: ActiveCount) -> Iterator[None]:
     """The counter back for one block inside ``counter_aside`` (its tally, cleared on
-    entering, is kept in ``offset``)."""
+    entering, is kept in ``offset``); blocks nested in it count as outside the loop."""
     seen = active.total()
     active.counter.__enter__()
     active.offset = seen
+    active.aside = False
     try:
         yield
     finally:
+        active.aside = True
         active.counter.__exit__(None, None, None)
