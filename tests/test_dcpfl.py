@@ -325,3 +325,23 @@ def test_tau_counts_local_epochs():
 def test_tau_that_is_not_a_multiple_of_local_epochs_is_refused():
     with pytest.raises(ConfigError, match=r"algorithm.tau = 5 .*train.local_epochs = 2.*4 or 6"):
         Simulation(fast_config("algorithm.name=dcpfl", "train.local_epochs=2"), progress=False)
+
+
+def test_discrepancy_without_the_flat_matrix_equals_eq3_and_eq5_on_it():
+    """The streamed forms (column chunks over the clients' tensors; one client's layer at a
+    time) give Eq. 3's and Eq. 5's values on the [n, dim] matrix."""
+    from edgepfl.algorithms.dcpfl import discrepancy_of, minmax
+
+    torch.manual_seed(0)
+    models = [[torch.randn(7, 5) * (c + 1), torch.randn(300) + c, torch.full((4,), 2.0)]
+              for c in range(5)]
+    models.append([torch.zeros(7, 5), torch.zeros(300), torch.zeros(4)])  # no range: S = 0
+    flat = torch.stack([torch.cat([t.flatten() for t in m]) for m in models]).double()
+    s = minmax(flat)
+    eq3 = torch.cdist(s, s, p=1) / flat.shape[1]
+    assert torch.allclose(discrepancy_of(models, chunk=64), eq3, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(discrepancy_matrix(flat), eq3, rtol=1e-12, atol=1e-15)
+    g = flat[2] * 0.5 + 1
+    eq5 = float((s - minmax(g.reshape(1, -1))).abs().sum(dim=1).mean()) / flat.shape[1]
+    assert math.isclose(layer_discrepancy(iter(list(flat)), g), eq5, rel_tol=1e-12)
+    assert math.isclose(layer_discrepancy(flat, g), eq5, rel_tol=1e-12)

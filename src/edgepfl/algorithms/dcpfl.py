@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -94,14 +95,44 @@ def minmax(w: torch.Tensor) -> torch.Tensor:
 
 def discrepancy_matrix(flat: torch.Tensor) -> torch.Tensor:
     """D_ij = |S(w_i) - S(w_j)|_1 / dim(w) for the rows of ``flat`` [n, dim] (Eq. 3)."""
-    s = minmax(flat)
-    return torch.cdist(s, s, p=1) / flat.shape[1]
+    return discrepancy_of([[row] for row in flat])
 
 
-def layer_discrepancy(client_layers: torch.Tensor, group_layer: torch.Tensor) -> float:
-    """D_{g,l} of Eq. 5: mean over the group's clients of |S(w_l,i) - S(w^g_l)|_1 / dim."""
-    diff = (minmax(client_layers) - minmax(group_layer.reshape(1, -1))).abs().sum(dim=1)
-    return float(diff.mean()) / client_layers.shape[1]
+def discrepancy_of(models: Sequence[Sequence[torch.Tensor]], chunk: int = 1 << 16) -> torch.Tensor:
+    """``discrepancy_matrix`` of the clients' flattened weights, each client given as its
+    tensors in one order, without forming the [n, dim] matrix: S(w)'s min and range come
+    from the tensors' own, and the L1 distances are summed over column chunks (an L1
+    distance is a sum over coordinates). In float64, as ``minmax``; a round's participants
+    of a 640k-weight CNN would otherwise need four [n, dim] float64 copies at once."""
+    n = len(models)
+    lo = torch.tensor([min(float(t.min()) for t in m) for m in models], dtype=torch.float64)
+    hi = torch.tensor([max(float(t.max()) for t in m) for m in models], dtype=torch.float64)
+    span = hi - lo
+    scale = torch.where(span > 0, span, 1.0).unsqueeze(1)
+    flat_ok = (span > 0).unsqueeze(1)
+    dist = torch.zeros(n, n, dtype=torch.float64)
+    dim = 0
+    for k in range(len(models[0])):
+        size = models[0][k].numel()
+        for start in range(0, size, chunk):
+            cols = torch.stack([m[k].reshape(-1)[start:start + chunk] for m in models])
+            s = torch.where(flat_ok, (cols.to(torch.float64) - lo.unsqueeze(1)) / scale, 0.0)
+            dist += torch.cdist(s, s, p=1)
+        dim += size
+    return dist / dim
+
+
+def layer_discrepancy(client_layers: Iterable[torch.Tensor], group_layer: torch.Tensor) -> float:
+    """D_{g,l} of Eq. 5: mean over the group's clients of |S(w_l,i) - S(w^g_l)|_1 / dim.
+
+    ``client_layers``: one row per client (a [n, dim] tensor), or the clients' layers one
+    at a time, so that a group of a thousand is never held as one [n, dim] copy."""
+    g = minmax(group_layer.reshape(1, -1))
+    total, n = 0.0, 0
+    for w in client_layers:
+        total += float((minmax(w.reshape(1, -1)) - g).abs().sum())
+        n += 1
+    return total / n / g.shape[1]
 
 
 def low_layers(disc: list[float], ratio: float) -> list[bool]:
@@ -340,8 +371,8 @@ class DCPFLServer(Server):
             disc = []
             for i in range(len(self.ctx.layers)):
                 names = self.ctx.layers.params_of(i)
-                w = torch.stack([torch.cat([self.uploads.tensors[n][c].flatten() for n in names])
-                                 for c in members])
+                w = (torch.cat([self.uploads.tensors[n][c].flatten() for n in names])
+                     for c in members)
                 g = torch.cat([self.group.tensors[n][members[0]].flatten() for n in names])
                 disc.append(layer_discrepancy(w, g))
             low = torch.tensor(low_layers(disc, hp.low_ratio))
@@ -375,9 +406,6 @@ class DCPFLServer(Server):
                     "measures more pairs", stacklevel=2)
         return complete_discrepancy(avg, seen)
 
-    def _flat(self, cids: list[int], replies: dict[int, Message]) -> torch.Tensor:
-        return torch.stack([torch.cat([replies[c].tensors[n].flatten().to(torch.float64)
-                                       for n in self.params]) for c in cids])
 
     def _propose(self) -> bool:
         """The next grouping down the graph that actually differs from the current one."""
@@ -469,7 +497,7 @@ class DCPFLServer(Server):
         if mode == WARMUP:
             cids = sorted(replies)
             if len(cids) >= 2:
-                d = discrepancy_matrix(self._flat(cids, replies))
+                d = discrepancy_of([[replies[c].tensors[n] for n in self.params] for c in cids])
                 idx = torch.tensor(cids)
                 self.disc_sum[idx.unsqueeze(1), idx] += d
                 self.disc_count[idx.unsqueeze(1), idx] += 1
