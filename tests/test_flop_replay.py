@@ -215,3 +215,25 @@ def test_counted_once_blocks_nest_inside_the_loop_that_keeps_the_counter_aside()
             block("outer", inner="inner")
         block("other", inner="inner")
     assert plain.flops == m.flops
+
+
+def test_a_repeated_block_leaves_out_again_what_its_nested_not_counted_left_out():
+    a, b = torch.ones(4, 3), torch.ones(3, 2)  # 48 FLOPs a product
+
+    def block():
+        with counted_once("step"):
+            a @ b
+            with not_counted():
+                a @ b
+                a @ b
+
+    with FlopMeter(cache=False).measure() as m:
+        for _ in range(3):
+            block()
+    assert (m.flops, m.excluded) == (3 * 48, 3 * 96)
+    with FlopMeter(cache=False).measure() as m:
+        with not_counted():
+            for _ in range(3):
+                block()
+        block()
+    assert (m.flops, m.excluded) == (48, 3 * 144 + 96)

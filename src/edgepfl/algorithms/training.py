@@ -316,7 +316,7 @@ class Trainer:
         self._loaded: object | None = None
         # FLOPs of a plain training step per (gradients, batch shape, first step): a
         # function of this skeleton's architecture and those alone (``counted_once``)
-        self._step_flops: dict[object, int] = {}
+        self._step_flops: dict[object, tuple[int, int]] = {}
 
     # -- weights in and out of the skeleton ---------------------------------------
     def load(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:

@@ -23,7 +23,7 @@ class ActiveCount:
     excluded: int = 0
     depth: int = 0  # of open ``not_counted`` blocks: only the outermost one is measured
     replayed: int = 0  # FLOPs of ``counted_once`` repeats, which ran outside the counter
-    repeats: dict[Hashable, int] = field(default_factory=dict)
+    repeats: dict[Hashable, tuple[int, int]] = field(default_factory=dict)
     offset: int = 0  # the counter's total before it was last re-entered (which clears it)
     aside: bool = False  # inside ``counter_aside``: the counter is off but for new blocks
     replaying: int = 0  # of open replayed blocks: their first count holds what they nest
@@ -57,7 +57,8 @@ def not_counted() -> Iterator[None]:
 
 
 @contextmanager
-def counted_once(key: Hashable, store: dict[Hashable, int] | None = None) -> Iterator[None]:
+def counted_once(key: Hashable, store: dict[Hashable, tuple[int, int]] | None = None
+                 ) -> Iterator[None]:
     """Run a block whose FLOPs are a function of ``key`` (shapes, not values): the first
     time within the enclosing ``FlopMeter.measure`` it is counted, every later time it runs
     with the counter off and its first count is added instead.
@@ -69,6 +70,8 @@ def counted_once(key: Hashable, store: dict[Hashable, int] | None = None) -> Ite
     With ``store`` (a dict the caller keeps, e.g. one per module skeleton) the count
     outlives the measured block: every client of an architecture then shares the counts
     of its batch shapes, so only the federation's first step of each shape is counted.
+    A count is kept with the part of it that nested ``not_counted`` blocks left out, and a
+    repeat leaves that part out again.
     """
     active = ACTIVE.get()
     if active is None or active.replaying:
@@ -79,25 +82,42 @@ def counted_once(key: Hashable, store: dict[Hashable, int] | None = None) -> Ite
     counter = active.counter
     if active.aside:
         if known is None:  # the counter comes back for this block only
-            with _counter_on(active):
-                before = active.total()
+            with _counter_on(active), _first_count(active, key, counts):
                 yield
-                counts.setdefault(key, active.total() - before)
             return
         with _replaying(active):
             yield
     elif known is None or counter.mode is None or _get_current_dispatch_mode() is not counter.mode:
         # first time, or another dispatch mode sits above the counter: count it
-        before = active.total()
-        yield
-        counts.setdefault(key, active.total() - before)
+        with _first_count(active, key, counts):
+            yield
         return
     else:
         with _counter_off(active), _replaying(active):
             yield
-    active.replayed += known
-    if active.depth:  # inside ``not_counted``: left out, as its counted first time was
-        active.excluded += known
+    flops, left_out = known
+    active.replayed += flops
+    # inside ``not_counted`` all of it is left out, as its counted first time was
+    active.excluded += flops if active.depth else left_out
+
+
+@contextmanager
+def _first_count(active: ActiveCount, key: Hashable,
+                 counts: dict[Hashable, tuple[int, int]]) -> Iterator[None]:
+    """Count a block and keep (its FLOPs, the part nested ``not_counted`` blocks left out).
+
+    Inside an enclosing ``not_counted`` the nested ones are measured all the same (so that a
+    repeat outside it knows its part), and the enclosing one then leaves the whole out."""
+    before, excluded, depth = active.total(), active.excluded, active.depth
+    active.depth = 0
+    try:
+        yield
+    finally:
+        active.depth = depth
+    left_out = active.excluded - excluded
+    if depth:
+        active.excluded = excluded
+    counts.setdefault(key, (active.total() - before, left_out))
 
 
 @contextmanager
