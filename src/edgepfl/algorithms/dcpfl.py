@@ -406,7 +406,6 @@ class DCPFLServer(Server):
                     "measures more pairs", stacklevel=2)
         return complete_discrepancy(avg, seen)
 
-
     def _propose(self) -> bool:
         """The next grouping down the graph that actually differs from the current one."""
         n = self.ctx.num_clients

@@ -666,10 +666,10 @@ class KAPCClient(PersonalModelClient):
 
     def finish(self, cid: int, msg: Message, state: State, data: ClientData,
                trained: State, stats: dict[str, float]) -> UpdateResult:
-        targets = self._targets(msg, self.personal_model(state, None))
         new_state: State = model_to_state(trained)
         count = len(self.spec)
-        if self.bls:
+        if self.bls:  # Algorithm 4 measures the trained layers against their targets
+            targets = self._targets(msg, self.personal_model(state, None))
             count, bls_state, evals = self._select_layers(state, trained, targets)
             new_state.update(bls_state)
             stats["omega_evals"] = float(evals)

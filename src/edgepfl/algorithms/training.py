@@ -314,8 +314,9 @@ class Trainer:
         self.state_names = self.param_names + list(self.buffers)
         self.eval_batch_size = eval_batch_size
         self._loaded: object | None = None
-        # FLOPs of a plain training step per (gradients, batch shape, first step): a
-        # function of this skeleton's architecture and those alone (``counted_once``)
+        # (FLOPs, the part left out) of a step's hook-free passes per (parameters with
+        # gradients, batch shape) and update per (parameters, first step): functions of
+        # this skeleton's architecture and those alone, shared by clients (``counted_once``)
         self._step_flops: dict[object, tuple[int, int]] = {}
 
     # -- weights in and out of the skeleton ---------------------------------------
@@ -473,8 +474,9 @@ class Trainer:
                 groups.setdefault(tuple(x.shape), []).append(i)
             for members in groups.values():
                 whole = len(members) == k
-                idx = to_device(torch.tensor(members), self.device)
-                params = stacked if whole else {n: stacked[n][idx] for n in names}
+                # the whole stack needs no index (nor its copy to the device every step)
+                rows = slice(None) if whole else to_device(torch.tensor(members), self.device)
+                params = stacked if whole else {n: stacked[n][rows] for n in names}
                 x = to_device(torch.stack([drawn[i][0] for i in members]), self.device)
                 y = to_device(torch.stack([drawn[i][1] for i in members]), self.device)
                 grads, losses = step(params, x, y)
@@ -486,17 +488,17 @@ class Trainer:
 
                 p = [params[n] for n in names]
                 # a buffer starts at zero, so its first step is the gradient itself
-                b = None if bufs is None else [bufs[n] if whole else bufs[n][idx] for n in names]
+                b = None if bufs is None else [bufs[n] if whole else bufs[n][rows] for n in names]
                 b = sgd_update(p, [grads[n] for n in names], lr, momentum, weight_decay, b,
                                hooks)
                 with torch.no_grad():
                     if not whole:
                         for n, t in zip(names, p, strict=True):
-                            stacked[n][idx] = t
+                            stacked[n][rows] = t
                         if bufs is not None and b is not None:
                             for n, t in zip(names, b, strict=True):
-                                bufs[n][idx] = t
-                    loss_sum[idx] += losses * y.shape[1]
+                                bufs[n][rows] = t
+                    loss_sum[rows] += losses * y.shape[1]
                 for i in members:
                     seen[i] += int(y.shape[1])
                     steps[i] += 1
