@@ -142,9 +142,18 @@ class TrainConfig(_Section):
     batch_clients: bool = Field(
         False, description="train a step's clients together, their SGD steps batched into one "
         "with torch.func.vmap (clients whose algorithm states its training as a fit request: "
-        "fedavg, fedprox, local; models without BatchNorm or dropout; others train one after "
-        "another); weights equal the sequential run's within float tolerance; pays on a GPU, "
-        "not on a CPU (bench/README.md); needs train.workers = 1")
+        "fedavg, fedprox, local, kapc, kapc_bls, dcpfl, fedamp, clusterfl; models without "
+        "BatchNorm or dropout; others train one after another); weights equal the sequential "
+        "run's within float tolerance; pays on a GPU, not on a CPU (bench/README.md); needs "
+        "train.workers = 1")
+    store: Literal["memory", "disk"] = Field(
+        "memory", description="where per-client state lives (the clients' models and what a "
+        "server keeps per client: KAPC's uploads, DC-PFL's and ClusterFL's stacks): memory, "
+        "or disk = files mapped into memory, for federations whose state exceeds the "
+        "machine's memory; the same results either way (bench/README.md, 'Scale')")
+    store_dir: str | None = Field(
+        None, description="train.store = disk: the folder for its files (deleted as they are "
+        "made, freed when the run ends); default the run directory, else the temp folder")
 
     @field_validator("workers")
     @classmethod
@@ -353,7 +362,7 @@ def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 # how a run executes, not what it computes: a run may be resumed with other values
-EXECUTION = ("rounds", "device", "workers", "batch_clients")
+EXECUTION = ("rounds", "device", "workers", "batch_clients", "store", "store_dir")
 
 
 def without_rounds(cfg: dict) -> dict:

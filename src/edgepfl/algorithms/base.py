@@ -29,6 +29,7 @@ from edgepfl.config import TrainConfig
 from edgepfl.federation.aggregate import ParamIndex
 from edgepfl.federation.messages import Message, check_entries
 from edgepfl.federation.state import load_state, save_state
+from edgepfl.federation.store import MEMORY, Stacks
 from edgepfl.models.layers import LayerSpec
 
 if TYPE_CHECKING:
@@ -78,7 +79,9 @@ class ServerContext:
     one unless ``model.tiers`` gives clients different models); ``architectures`` has every
     one and ``federation.arch[cid]`` says which a client holds. ``fresh_model(seed)`` draws
     another initial model of that architecture, as ``init_model`` was drawn, from ``seed``
-    (for a method that starts each client from its own).
+    (for a method that starts each client from its own). ``stacks`` allocates what the
+    server keeps per client (``[num_clients, ...]`` tensors, ``StackedStore``s): on disk
+    when the run says so (``train.store``).
     """
 
     num_clients: int
@@ -90,6 +93,7 @@ class ServerContext:
     architectures: dict[str, Architecture] = field(default_factory=dict)
     fresh_model: Callable[[int], State] | None = None
     input_shape: tuple[int, int, int] | None = None  # (C, H, W) of a whole image
+    stacks: Stacks = MEMORY
 
     @property
     def arch_of(self) -> tuple[str, ...]:

@@ -132,9 +132,9 @@ class ClusterFLServer(Server):
         super().__init__(ctx, hp)
         n = ctx.num_clients
         self.params = list(ctx.layers.param_names)
-        self.w = StackedStore(n)  # each client's latest uploaded weights w_i
-        self.u = StackedStore(n)  # scaled dual variables u_i
-        self.z = StackedStore(n)  # row i: the consensus z_c of i's cluster
+        self.w = StackedStore(n, ctx.stacks)  # each client's latest uploaded weights w_i
+        self.u = StackedStore(n, ctx.stacks)  # scaled dual variables u_i
+        self.z = StackedStore(n, ctx.stacks)  # row i: the consensus z_c of i's cluster
         zero = {p: torch.zeros_like(ctx.init_model[p]) for p in self.params}
         for cid in range(n):  # every row exists from the start, so checkpoints have fixed keys
             self.w.set_row(cid, zero)

@@ -299,10 +299,10 @@ class DCPFLServer(Server):
         self.tau_rounds = tau_rounds(hp.tau, ctx.train.local_epochs)
         self.names = list(ctx.init_model)
         self.params = ctx.layers.param_names
-        self.uploads = StackedStore(n)      # each client's latest uploaded weights
-        self.group = StackedStore(n)        # row i: the current model of i's group
-        self.trial0 = StackedStore(n)       # M0 / M1 of a pending trial
-        self.trial1 = StackedStore(n)
+        self.uploads = StackedStore(n, ctx.stacks)      # each client's latest uploaded weights
+        self.group = StackedStore(n, ctx.stacks)        # row i: the current model of i's group
+        self.trial0 = StackedStore(n, ctx.stacks)       # M0 / M1 of a pending trial
+        self.trial1 = StackedStore(n, ctx.stacks)
         for cid in range(n):
             self.uploads.set_row(cid, ctx.init_model)
             self.group.set_row(cid, ctx.init_model)

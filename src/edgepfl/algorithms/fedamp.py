@@ -86,8 +86,7 @@ class FedAMPServer(Server):
                 f"{hp.sigma / max(n - 1, 1):.4g}")
         # every client's latest model, stacked; before its first upload a client's model
         # is the common initial model
-        self.models: State = {k: v.unsqueeze(0).repeat(n, *([1] * v.dim())).clone()
-                              for k, v in ctx.init_model.items()}
+        self.models: State = {k: ctx.stacks.repeat(v, n) for k, v in ctx.init_model.items()}
         self.param_names = [p for p in ctx.layers.param_names if p in ctx.init_model]
         self._self_weight_min = 1.0
 

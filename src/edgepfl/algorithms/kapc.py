@@ -425,12 +425,12 @@ class KAPCServer(Server):
         n = ctx.num_clients
         # Before any upload the server's row for a client is the model that client starts
         # from (Algorithm 1, line 1), so it is exact, not a placeholder.
-        if hp.init == "per_client":
-            firsts = [initial_model(ctx, hp, cid) for cid in range(n)]
-            self.W = {p: torch.stack([m[p] for m in firsts]) for p in spec.param_names}
-        else:
-            self.W = {p: ctx.init_model[p].detach().unsqueeze(0).repeat(
-                n, *([1] * ctx.init_model[p].dim())) for p in spec.param_names}
+        self.W = {p: ctx.stacks.repeat(ctx.init_model[p].detach(), n) for p in spec.param_names}
+        if hp.init == "per_client":  # one client's model at a time: N of them may not fit
+            for cid in range(n):
+                first = initial_model(ctx, hp, cid)
+                for p in spec.param_names:
+                    self.W[p][cid].copy_(first[p])
         self.R = init_relations(hp.r_init, n, len(spec), ctx.seed)
         self.fresh = True
         self._metrics: dict[str, float] = {}

@@ -87,8 +87,7 @@ class PFedLAServer(Server):
     def __init__(self, ctx: ServerContext, hp):
         super().__init__(ctx, hp)
         n = ctx.num_clients
-        self.models: State = {k: v.unsqueeze(0).repeat(n, *([1] * v.dim())).clone()
-                              for k, v in ctx.init_model.items()}
+        self.models: State = {k: ctx.stacks.repeat(v, n) for k, v in ctx.init_model.items()}
         # which layer's weights combine each tensor (buffers follow their module's layer)
         self.layer_of: dict[str, int | None] = {}
         layer_index = {layer.name: i for i, layer in enumerate(ctx.layers.layers)}

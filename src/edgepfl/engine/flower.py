@@ -598,7 +598,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
     dataset = load_dataset(cfg.dataset.name, cfg.dataset.root, cfg.dataset.fraction, cfg.seed,
                            cfg.dataset.download)
     n = cfg.partition.clients
-    parts = Parts.build(cfg, dataset, n)
+    parts = Parts.build(cfg, dataset, n, out)
     rounds = Rounds(parts, FlowerTransport(None, {}, timeout, n, parts.federation.parent))
     if resume:
         tensors, meta = read_tensors(out / CHECKPOINT)

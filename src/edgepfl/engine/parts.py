@@ -5,8 +5,10 @@ architecture's seeded initial model, the algorithm's server, edge and client par
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,6 +31,7 @@ from edgepfl.data.partition import Partition
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import ParamIndex
 from edgepfl.federation.rng import derive_seed
+from edgepfl.federation.store import MEMORY, Stacks
 from edgepfl.federation.topology import Federation
 from edgepfl.models import DEFAULT_MODEL, MODELS, LayerSpec, build_model, zoo
 
@@ -135,6 +138,21 @@ def _probe(name: str, model: torch.nn.Module, channels: int, crops: Crops) -> No
         model.train(training)
 
 
+def run_stacks(cfg: Config, out_dir: Path | None) -> Stacks:
+    """Where the run's per-client stacks live (``train.store``, ``train.store_dir``)."""
+    train = cfg.train
+    if train.store == "memory":
+        return MEMORY
+    directory = Path(train.store_dir) if train.store_dir is not None else (
+        out_dir if out_dir is not None else Path(tempfile.gettempdir()))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"train.store_dir = {str(directory)!r}: cannot make the folder for "
+                          f"train.store = 'disk' ({exc.strerror}); give a writable folder") from None
+    return Stacks(directory)
+
+
 @dataclass
 class Parts:
     cfg: Config
@@ -145,12 +163,15 @@ class Parts:
     trainers: dict[str, Trainer]
     num_classes: int
     input_shape: tuple[int, int, int]
+    stacks: Stacks = MEMORY
 
     @classmethod
-    def build(cls, cfg: Config, dataset: Dataset, num_clients: int | None = None) -> Parts:
+    def build(cls, cfg: Config, dataset: Dataset, num_clients: int | None = None,
+              out_dir: Path | None = None) -> Parts:
         """``cfg`` resolved. Each architecture's initial model is drawn from the run's seed
         (``model.name``'s from the seed alone, as every run has); a parameter that
-        architectures share starts from one value, the first architecture's."""
+        architectures share starts from one value, the first architecture's. ``out_dir``,
+        the run directory, is where ``train.store = "disk"`` maps its files by default."""
         algorithm = get_algorithm(cfg.algorithm.name)
         hp = algorithm.parse_hyperparameters(cfg.algorithm.hyperparameters())
         federation = Federation.build(cfg, num_clients or cfg.partition.clients)
@@ -179,7 +200,7 @@ class Parts:
                                             {k: v.clone() for k, v in models[name].items()})
                          for name in models}
         return cls(cfg, algorithm, hp, federation, architectures, trainers, dataset.num_classes,
-                   dataset.input_shape)
+                   dataset.input_shape, run_stacks(cfg, out_dir))
 
     # the first architecture (the only one unless model.tiers says otherwise)
     @property
@@ -202,7 +223,7 @@ class Parts:
         cfg = self.cfg
         return ServerContext(self.federation.num_clients, self.layers, self.init_model, cfg.train,
                              cfg.seed, self.federation, self.architectures,
-                             self.fresh_model(self.first.name), self.input_shape)
+                             self.fresh_model(self.first.name), self.input_shape, self.stacks)
 
     def server(self) -> Server:
         return self.algorithm.server(self._server_ctx(), self.hp)

@@ -137,7 +137,7 @@ class InProcess(Transport):
         self.trainers = parts.trainers
         self.train_data, self.test_data = train_data, test_data
         self.flops = flops
-        self.store = StackedStore(fed.num_clients)
+        self.store = StackedStore(fed.num_clients, parts.stacks)
         self._work_shapes: dict[int, tuple] = {}
         train = parts.cfg.train
         self.batch_clients = train.batch_clients
@@ -288,7 +288,7 @@ class Simulation:
         self.dataset, self.partition = load_federation(cfg, dataset, partition)
         n = self.num_clients = self.partition.num_clients
 
-        self.parts = parts = Parts.build(cfg, self.dataset, n)
+        self.parts = parts = Parts.build(cfg, self.dataset, n, self.out_dir)
         self.algorithm, self.federation = parts.algorithm, parts.federation
         self.layers, self.trainer = parts.layers, parts.trainer
         splits = [client_split(self.dataset, self.partition, cid, cfg) for cid in range(n)]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from edgepfl.errors import EdgepflError
-from edgepfl.federation.store import StackedStore
+from edgepfl.federation.store import StackedStore, Stacks
 
 State = dict[str, torch.Tensor]
 FLOAT = "__float__"
@@ -92,7 +92,7 @@ def _fit(key: str, saved: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
     if saved.dtype != current.dtype or (current.numel() and saved.shape != current.shape):
         raise StateError(f"checkpoint state {key!r} is {tuple(saved.shape)} {saved.dtype}; this "
                          f"configuration's is {tuple(current.shape)} {current.dtype}")
-    return saved.clone()
+    return Stacks.of(current).copy(saved)  # on disk again if the attribute was
 
 
 def load_state(obj: Any, names: tuple[str, ...], tensors: Mapping[str, torch.Tensor],
@@ -109,7 +109,7 @@ def load_state(obj: Any, names: tuple[str, ...], tensors: Mapping[str, torch.Ten
             staged[name] = _fit(name, tensors[name], current)
             used.add(name)
         elif isinstance(current, StackedStore):
-            store = StackedStore(current.num_clients)
+            store = StackedStore(current.num_clients, current.stacks)
             try:
                 store.load_state_dict(tensors, f"{name}/")
             except (KeyError, ValueError) as exc:

@@ -9,11 +9,19 @@ Clients of different architectures may hold an entry of the same name with diffe
 shapes (``fc1.weight`` of a narrow and a wide model): each shape gets a stack of its own
 (``name``, then ``name#2``, ...), a client's row lives in the one that fits it, and
 ``row`` gives every client its entries under their own names.
+
+Where the stacks live is a ``Stacks``: memory, or files mapped into memory
+(``train.store = "disk"``) for federations whose per-client state is larger than the
+machine's memory. A mapped stack is indexed, sliced and written like any tensor; the
+kernel keeps the rows in use in its page cache and writes the rest back to the file.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -21,13 +29,80 @@ VARIANT = "#"
 PRESENT = ".__present__"
 
 
+class Stacks:
+    """Allocates the per-client stacks of a run: in memory (``directory`` None), or each in
+    a file of ``directory`` mapped into memory with ``MAP_SHARED``.
+
+    A mapped stack's file is unlinked as soon as it is mapped: its disk space lasts as
+    long as the tensor does and is freed when the process ends, however it ends, so a run
+    never leaves gigabytes of scratch files behind. What a run must keep, its checkpoint,
+    is written apart (``output.checkpoint_every``).
+    """
+
+    def __init__(self, directory: str | Path | None = None):
+        self.directory = None if directory is None else Path(directory)
+
+    @property
+    def on_disk(self) -> bool:
+        return self.directory is not None
+
+    def __repr__(self) -> str:
+        return "Stacks(memory)" if self.directory is None else f"Stacks({str(self.directory)!r})"
+
+    def zeros(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        # bool masks and empty stacks are tiny; from_file maps nothing for them
+        if self.directory is None or numel == 0 or dtype == torch.bool:
+            return torch.zeros(tuple(shape), dtype=dtype)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        fd, name = tempfile.mkstemp(prefix="stack-", suffix=".bin", dir=self.directory)
+        try:
+            # a sparse file: it reads as zeros and takes disk space only where written
+            os.ftruncate(fd, nbytes)
+            flat = torch.from_file(name, shared=True, size=numel, dtype=dtype)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+        _MAPPED.add(name)
+        return flat.view(tuple(shape))
+
+    def copy(self, value: torch.Tensor) -> torch.Tensor:
+        """A copy of ``value`` allocated here."""
+        if self.directory is None:
+            return value.clone()
+        out = self.zeros(value.shape, value.dtype)
+        out.copy_(value)
+        return out
+
+    def repeat(self, value: torch.Tensor, rows: int) -> torch.Tensor:
+        """``rows`` copies of ``value`` stacked (``[rows, *value.shape]``), allocated here."""
+        out = self.zeros((rows, *value.shape), value.dtype)
+        out.copy_(value.unsqueeze(0).expand_as(out))
+        return out
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> Stacks:
+        """Where ``tensor`` lives: a copy made through this keeps it on disk if it was."""
+        name = tensor.untyped_storage().filename
+        # only stacks mapped here: a tensor read from a checkpoint maps that file privately
+        return Stacks(Path(name).parent) if name in _MAPPED else MEMORY
+
+
+MEMORY = Stacks()
+_MAPPED: set[str] = set()  # the files Stacks mapped (unlinked: names stay unique)
+
+
 def _name(key: str) -> str:
     return key.split(VARIANT, 1)[0]
 
 
 class StackedStore:
-    def __init__(self, num_clients: int):
+    def __init__(self, num_clients: int, stacks: Stacks = MEMORY):
         self.num_clients = num_clients
+        self.stacks = stacks
         self.tensors: dict[str, torch.Tensor] = {}
         self.present: dict[str, torch.Tensor] = {}
         self._variants: dict[str, list[str]] = {}  # name -> its stacks' keys
@@ -42,7 +117,7 @@ class StackedStore:
             if stack.shape[1:] == like.shape and stack.dtype == like.dtype:
                 return key
         key = name if not keys else f"{name}{VARIANT}{len(keys) + 1}"
-        self.tensors[key] = torch.zeros((self.num_clients, *like.shape), dtype=like.dtype)
+        self.tensors[key] = self.stacks.zeros((self.num_clients, *like.shape), like.dtype)
         self.present[key] = torch.zeros(self.num_clients, dtype=torch.bool)
         self._variants.setdefault(name, []).append(key)
         return key
@@ -94,6 +169,6 @@ class StackedStore:
             name = key[len(prefix):]
             if value.shape[0] != self.num_clients:
                 raise ValueError(f"checkpoint entry {key!r} has {value.shape[0]} rows, expected {self.num_clients}")
-            self.tensors[name] = value.clone()
+            self.tensors[name] = self.stacks.copy(value)
             self.present[name] = tensors[f"{key}{PRESENT}"].clone().bool()
             self._variants.setdefault(_name(name), []).append(name)
