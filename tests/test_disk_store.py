@@ -35,6 +35,9 @@ def test_a_disk_stack_is_a_mapped_file_that_is_already_unlinked(tmp_path):
     assert torch.equal(MEMORY.repeat(value, 4), rep)
     cp = stacks.copy(value)
     assert mapped_in(cp, tmp_path) and torch.equal(cp, value)
+    held = stacks.hold(value)
+    assert mapped_in(held, tmp_path) and torch.equal(held, value)
+    assert MEMORY.hold(value) is value
     # a file mapped by anyone else is not a disk stack
     (tmp_path / "other.bin").write_bytes(bytes(48))
     other = torch.from_file(str(tmp_path / "other.bin"), shared=True, size=12)
@@ -54,7 +57,7 @@ def test_a_stacked_store_on_disk_keeps_its_rows_and_loads_onto_disk(tmp_path):
 
 # algorithm -> (settings, the server attributes that hold a row per client)
 CASES = {
-    "kapc": (["train.participation=0.5"], ["W"]),
+    "kapc": (["train.participation=0.5"], ["W", "R"]),
     "dcpfl": (["algorithm.t_start=2"], ["uploads", "group"]),
     "clusterfl": ([], ["w", "u", "z"]),
     "fedamp": ([], ["models"]),
@@ -64,7 +67,11 @@ CASES = {
 def server_stacks(server, names):
     for name in names:
         value = getattr(server, name)
-        yield from (value.tensors.values() if isinstance(value, StackedStore) else value.values())
+        if isinstance(value, torch.Tensor):
+            yield value
+        else:
+            yield from (value.tensors.values() if isinstance(value, StackedStore)
+                        else value.values())
 
 
 @pytest.mark.parametrize("algorithm", list(CASES))
@@ -119,3 +126,19 @@ def test_an_unusable_store_folder_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"train.store_dir = .*file/sub.*writable folder"):
         Simulation(fast_config("train.store=disk", f"train.store_dir={blocker / 'sub'}"),
                    progress=False)
+
+
+def test_a_client_state_larger_than_the_memory_left_is_refused_before_it_is_filled(
+        monkeypatch, tmp_path):
+    from edgepfl.engine import simulation
+    from edgepfl.system import available_memory_bytes
+
+    assert available_memory_bytes() > 0  # Linux: MemAvailable (+ free swap)
+    monkeypatch.setattr(simulation, "available_memory_bytes", lambda: 10_000)
+    with pytest.raises(ConfigError, match=r"needs .* GB \(6 clients x .* MB\).*"
+                                          r"set train.store = disk"):
+        Simulation(fast_config("algorithm.name=kapc"), progress=False)
+    # on disk the same federation is built: its pages are the kernel's to write back
+    sim = Simulation(fast_config("algorithm.name=kapc", "train.store=disk",
+                                 f"train.store_dir={tmp_path}"), progress=False)
+    assert sim.clients.stacks.on_disk

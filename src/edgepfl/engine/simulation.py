@@ -44,7 +44,13 @@ from edgepfl.federation.messages import Message
 from edgepfl.federation.rng import derive_seed, generator
 from edgepfl.federation.store import StackedStore
 from edgepfl.io import read_json, read_tensors, write_csv, write_json, write_tensors
-from edgepfl.system import FlopMeter, SystemModel, peak_rss_bytes, work_signature
+from edgepfl.system import (
+    FlopMeter,
+    SystemModel,
+    available_memory_bytes,
+    peak_rss_bytes,
+    work_signature,
+)
 
 CHECKPOINT = "checkpoint.safetensors"
 __all__ = ["CHECKPOINT", "METRIC_COLUMNS", "InProcess", "Parts", "RunResult", "Simulation",
@@ -151,6 +157,21 @@ class InProcess(Transport):
         for cid in range(fed.num_clients):
             arch = parts.architectures[fed.arch[cid]]
             self.store.set_row(cid, self.parts[arch.name].init_state(cid, arch.init_model))
+            if cid == 0:
+                self._check_fits(fed.num_clients)
+
+    def _check_fits(self, n: int) -> None:
+        """Refuse, before it is filled, a client store that cannot fit in memory: the first
+        row allocated every stack for all ``n`` clients (pages are taken as rows are
+        written), and filling it would end in the kernel killing the run."""
+        need, available = self.store.nbytes(), available_memory_bytes()
+        if self.store.stacks.on_disk or available is None or need <= available:
+            return
+        raise ConfigError(
+            f"the clients' state needs {need / 1e9:.1f} GB ({n} clients x "
+            f"{need / n / 1e6:.2f} MB) and this machine has {available / 1e9:.1f} GB of memory "
+            f"available: set train.store = disk (files mapped into memory; README, 'Many "
+            f"clients'), or run fewer clients (partition.clients)")
 
     def train(self, step: int, messages: dict[int, Message]) -> dict[int, ClientReply]:
         keys: dict[int, tuple] = {}

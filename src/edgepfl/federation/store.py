@@ -77,6 +77,10 @@ class Stacks:
         out.copy_(value)
         return out
 
+    def hold(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` itself in memory, a copy of it on disk (for a tensor made for this)."""
+        return value if self.directory is None else self.copy(value)
+
     def repeat(self, value: torch.Tensor, rows: int) -> torch.Tensor:
         """``rows`` copies of ``value`` stacked (``[rows, *value.shape]``), allocated here."""
         out = self.zeros((rows, *value.shape), value.dtype)
