@@ -5,6 +5,7 @@ import tracemalloc
 
 import matplotlib.axes
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -58,3 +59,17 @@ def test_auto_checkpoints_cost_a_tenth_of_the_rounds_at_most(monkeypatch):
     assert policy.due(50, 50)  # the last round always
     fixed = CheckpointPolicy(3)
     assert [r for r in range(1, 11) if fixed.due(r, 10)] == [3, 6, 9, 10]
+
+
+def test_never_checkpointing_writes_none_and_the_run_cannot_be_extended(tmp_path):
+    from edgepfl.engine.simulation import CHECKPOINT, Simulation, resume_run
+    from edgepfl.errors import ConfigError
+    from tests.conftest import fast_config
+
+    assert not any(CheckpointPolicy("never").due(r, 3) for r in (1, 2, 3))
+    cfg = fast_config("output.checkpoint_every=never")
+    Simulation(cfg, tmp_path, progress=False).run()
+    assert (tmp_path / "summary.json").exists() and not (tmp_path / CHECKPOINT).exists()
+    longer = fast_config("output.checkpoint_every=never", "train.rounds=4")
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        resume_run(tmp_path, longer)

@@ -209,16 +209,17 @@ class FaultsConfig(_Section):
 
 
 class OutputConfig(_Section):
-    checkpoint_every: int | Literal["auto"] = Field(
+    checkpoint_every: int | Literal["auto", "never"] = Field(
         "auto", description="write a checkpoint every this many rounds (and after the last); "
         "auto: after a round once the rounds since the last checkpoint took at least 10 times "
-        "as long as writing it (every round unless the state is large)")
+        "as long as writing it (every round unless the state is large); never: none, so the "
+        "run cannot be resumed or extended (for a state too large to write twice to disk)")
 
     @field_validator("checkpoint_every")
     @classmethod
     def _checkpoint_every(cls, value: int | str) -> int | str:
         if isinstance(value, int) and value < 1:
-            raise ValueError("must be 'auto' or a whole number of rounds >= 1")
+            raise ValueError("must be 'auto', 'never' or a whole number of rounds >= 1")
         return value
     plots: bool = Field(True, description="write PNG plots into the run directory")
 

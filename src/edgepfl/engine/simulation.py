@@ -71,6 +71,8 @@ class CheckpointPolicy:
         self.since = time.perf_counter()
 
     def due(self, rnd: int, last: int) -> bool:
+        if self.every == "never":
+            return False
         if rnd == last:
             return True
         if self.every == "auto":
