@@ -44,13 +44,7 @@ from edgepfl.federation.messages import Message
 from edgepfl.federation.rng import derive_seed, generator
 from edgepfl.federation.store import StackedStore
 from edgepfl.io import read_json, read_tensors, write_csv, write_json, write_tensors
-from edgepfl.system import (
-    FlopMeter,
-    SystemModel,
-    available_memory_bytes,
-    peak_rss_bytes,
-    work_signature,
-)
+from edgepfl.system import FlopMeter, SystemModel, peak_rss_bytes, work_signature
 
 CHECKPOINT = "checkpoint.safetensors"
 __all__ = ["CHECKPOINT", "METRIC_COLUMNS", "InProcess", "Parts", "RunResult", "Simulation",
@@ -158,22 +152,13 @@ class InProcess(Transport):
         self.pool = WorkerPool(workers, self._worker_task) if workers > 1 else None
         for cid in range(fed.num_clients):
             arch = parts.architectures[fed.arch[cid]]
-            self.store.set_row(cid, self.parts[arch.name].init_state(cid, arch.init_model))
-            if cid == 0:
-                self._check_fits(fed.num_clients)
-
-    def _check_fits(self, n: int) -> None:
-        """Refuse, before it is filled, a client store that cannot fit in memory: the first
-        row allocated every stack for all ``n`` clients (pages are taken as rows are
-        written), and filling it would end in the kernel killing the run."""
-        need, available = self.store.nbytes(), available_memory_bytes()
-        if self.store.stacks.on_disk or available is None or need <= available:
-            return
-        raise ConfigError(
-            f"the clients' state needs {need / 1e9:.1f} GB ({n} clients x "
-            f"{need / n / 1e6:.2f} MB) and this machine has {available / 1e9:.1f} GB of memory "
-            f"available: set train.store = disk (files mapped into memory; README, 'Many "
-            f"clients'), or run fewer clients (partition.clients)")
+            state = self.parts[arch.name].init_state(cid, arch.init_model)
+            if cid == 0:  # before the first row allocates every stack for all clients
+                row = sum(t.numel() * t.element_size() for t in state.values())
+                self.store.stacks.refuse_beyond_memory(
+                    row * fed.num_clients,
+                    f"the clients' state ({fed.num_clients} clients x {row / 1e6:.2f} MB)")
+            self.store.set_row(cid, state)
 
     def train(self, step: int, messages: dict[int, Message]) -> dict[int, ClientReply]:
         keys: dict[int, tuple] = {}

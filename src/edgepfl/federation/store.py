@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from edgepfl.errors import ConfigError
+
 VARIANT = "#"
 PRESENT = ".__present__"
 
@@ -53,11 +55,13 @@ class Stacks:
         numel = 1
         for size in shape:
             numel *= int(size)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         # bool masks and empty stacks are tiny; from_file maps nothing for them
         if self.directory is None or numel == 0 or dtype == torch.bool:
+            if nbytes >= _CHECKED_FROM:
+                self.refuse_beyond_memory(nbytes, f"a per-client stack {tuple(shape)}")
             return torch.zeros(tuple(shape), dtype=dtype)
         self.directory.mkdir(parents=True, exist_ok=True)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         fd, name = tempfile.mkstemp(prefix="stack-", suffix=".bin", dir=self.directory)
         try:
             # a sparse file: it reads as zeros and takes disk space only where written
@@ -68,6 +72,22 @@ class Stacks:
             os.unlink(name)
         _MAPPED.add(name)
         return flat.view(tuple(shape))
+
+    def refuse_beyond_memory(self, nbytes: int, what: str) -> None:
+        """A ``ConfigError`` naming ``train.store = disk`` when ``nbytes`` more in memory
+        exceed what the machine has left: zeroing them would end in the kernel killing
+        the run partway (a stack's pages are all written as it is made)."""
+        if self.directory is not None:
+            return
+        from edgepfl.system import memory  # the system package imports the federation's
+
+        available = memory.available_memory_bytes()
+        if available is None or nbytes <= available:
+            return
+        raise ConfigError(
+            f"{what} needs {nbytes / 1e9:.1f} GB and this machine has {available / 1e9:.1f} GB "
+            f"of memory available: set train.store = disk (files mapped into memory; README, "
+            f"'Many clients'), or run fewer clients (partition.clients)")
 
     def copy(self, value: torch.Tensor) -> torch.Tensor:
         """A copy of ``value`` allocated here."""
@@ -96,6 +116,7 @@ class Stacks:
 
 
 MEMORY = Stacks()
+_CHECKED_FROM = 1 << 26  # bytes: a smaller stack is not worth reading /proc/meminfo for
 _MAPPED: set[str] = set()  # the files Stacks mapped (unlinked: names stay unique)
 
 
