@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from edgepfl.engine.simulation import CHECKPOINT, Simulation
+from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.federation.store import MEMORY, StackedStore, Stacks
-from tests.conftest import fast_config, without_wall
+from tests.conftest import fast_config, resumed_and_straight, without_wall
 
 
 def mapped_in(tensor: torch.Tensor, directory) -> bool:
@@ -101,19 +101,11 @@ def test_state_on_disk_gives_the_in_memory_runs_results_exactly(algorithm, tmp_p
 
 
 def test_a_run_on_disk_resumes_onto_disk_and_ends_as_a_straight_run(tmp_path):
-    settings = ["algorithm.name=kapc", "train.participation=0.5", "train.store=disk"]
-    straight = Simulation(fast_config(*settings), progress=False)
-    straight.run()
-    first = Simulation(fast_config(*settings), tmp_path, progress=False)
-    first.step()
-    first.step()
-    first.save_checkpoint()
-    resumed = Simulation(fast_config(*settings), tmp_path, progress=False)
-    resumed.load_checkpoint(tmp_path / CHECKPOINT)
-    resumed.step()
+    resumed, straight = resumed_and_straight(
+        tmp_path, "algorithm.name=kapc", "train.participation=0.5", "train.store=disk")
     assert all(mapped_in(t, tmp_path) for t in resumed.server.W.values())
     assert all(mapped_in(t, tmp_path) for t in resumed.clients.tensors.values())
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("stack-")) == []
+    assert not any(p.name.startswith("stack-") for p in tmp_path.iterdir())
     a, b = straight.clients.state_dict("c/"), resumed.clients.state_dict("c/")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(straight.server.W[p], resumed.server.W[p]) for p in straight.server.W)
