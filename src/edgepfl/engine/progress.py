@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -47,3 +49,17 @@ class RoundProgress:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+
+
+@contextmanager
+def setting_up(label: str, enabled: bool | None = None) -> Iterator[None]:
+    """A live "setting up" line on a terminal while a run is built: a large federation's
+    set-up (data split, every client's initial state) takes a minute or more before the
+    first round's line appears."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        yield
+        return
+    with Console(stderr=True).status(f"[bold]{label}[/bold]: setting up"):
+        yield

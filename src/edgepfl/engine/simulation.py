@@ -26,7 +26,7 @@ from edgepfl.config import Config, build_config, comparable, config_diff, with_b
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition
 from edgepfl.engine.parts import Parts, image_crops, load_federation, resolve
-from edgepfl.engine.progress import RoundProgress
+from edgepfl.engine.progress import RoundProgress, setting_up
 from edgepfl.engine.rounds import (
     METRIC_COLUMNS,
     ClientReply,
@@ -440,7 +440,8 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
     except OSError as exc:
         raise EdgepflError(f"cannot create the run directory {out}: {exc}") from None
     try:
-        sim = Simulation(cfg, out, progress=progress, **kwargs)
+        with setting_up(f"{cfg.algorithm.name} on {cfg.dataset.name}", progress):
+            sim = Simulation(cfg, out, progress=progress, **kwargs)
     except BaseException:
         # e.g. a data set that is not there: leave no empty run directory behind
         if created and not any(out.iterdir()):
@@ -486,7 +487,8 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
     if not ckpt.exists() and (run_dir / "summary.json").exists():
         raise EdgepflError(f"{run_dir} holds a finished run without its checkpoint (kept "
                            "results); there is nothing to go on from")
-    sim = Simulation(run_cfg, run_dir, progress=progress, **kwargs)
+    with setting_up(f"{run_cfg.algorithm.name} on {run_cfg.dataset.name}", progress):
+        sim = Simulation(run_cfg, run_dir, progress=progress, **kwargs)
     if ckpt.exists():
         sim.load_checkpoint(ckpt)
     if run_cfg.train.rounds != stored["train"]["rounds"]:
