@@ -122,19 +122,19 @@ def test_an_unusable_store_folder_is_refused_naming_the_setting(tmp_path):
 
 def test_a_state_larger_than_the_memory_left_is_refused_before_it_is_made(
         monkeypatch, tmp_path):
-    from edgepfl.system import memory
+    from edgepfl.federation import store
 
-    assert memory.available_memory_bytes() > 0  # Linux: MemAvailable (+ free swap)
-    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 10_000)
+    assert store.available_memory_bytes() > 0  # Linux: MemAvailable (+ free swap)
+    monkeypatch.setattr(store, "available_memory_bytes", lambda: 10_000)
     with pytest.raises(ConfigError, match=r"the clients' state \(6 clients x .* MB\) needs "
                                           r".* GB.*set train.store = disk"):
         Simulation(fast_config("algorithm.name=kapc"), progress=False)
     # a server's stack is checked where it is made: 2 GB asked, 1 GB left
-    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(store, "available_memory_bytes", lambda: 1 << 30)
     with pytest.raises(ConfigError, match=r"a per-client stack \(1000, 524288\) needs 2.1 GB"):
         MEMORY.zeros((1000, 1 << 19), torch.float32)
     # on disk the same federation is built: its pages are the kernel's to write back
-    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 10_000)
+    monkeypatch.setattr(store, "available_memory_bytes", lambda: 10_000)
     sim = Simulation(fast_config("algorithm.name=kapc", "train.store=disk",
                                  f"train.store_dir={tmp_path}"), progress=False)
     assert sim.clients.stacks.on_disk

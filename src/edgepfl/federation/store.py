@@ -31,6 +31,21 @@ VARIANT = "#"
 PRESENT = ".__present__"
 
 
+def available_memory_bytes() -> int | None:
+    """Memory a process may still take without being killed: Linux's ``MemAvailable`` (free
+    pages and the cache the kernel can drop) plus free swap; None where there is no
+    ``/proc/meminfo``."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                      if line.split(":")[0] in ("MemAvailable", "SwapFree")}
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemAvailable" not in fields:
+        return None
+    return fields["MemAvailable"] + fields.get("SwapFree", 0)
+
+
 class Stacks:
     """Allocates the per-client stacks of a run: in memory (``directory`` None), or each in
     a file of ``directory`` mapped into memory with ``MAP_SHARED``.
@@ -79,9 +94,7 @@ class Stacks:
         the run partway (a stack's pages are all written as it is made)."""
         if self.directory is not None:
             return
-        from edgepfl.system import memory  # the system package imports the federation's
-
-        available = memory.available_memory_bytes()
+        available = available_memory_bytes()
         if available is None or nbytes <= available:
             return
         raise ConfigError(

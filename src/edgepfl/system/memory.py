@@ -61,21 +61,6 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def available_memory_bytes() -> int | None:
-    """Memory a process may still take without being killed: Linux's ``MemAvailable`` (free
-    pages and the cache the kernel can drop) plus free swap; None where there is no
-    ``/proc/meminfo``."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
-                      if line.split(":")[0] in ("MemAvailable", "SwapFree")}
-    except (OSError, ValueError, IndexError):
-        return None
-    if "MemAvailable" not in fields:
-        return None
-    return fields["MemAvailable"] + fields.get("SwapFree", 0)
-
-
 def host_info() -> dict[str, object]:
     """What machine and library computed a run: float results on a CPU can differ in the
     last bits from one processor model (its vector kernels) or torch version to another,
