@@ -100,6 +100,25 @@ def test_state_on_disk_gives_the_in_memory_runs_results_exactly(algorithm, tmp_p
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("algorithm,settings", [
+    ("kapc", []),
+    # its evaluation messages are rows of the server's disk stacks (the group models)
+    ("dcpfl", ["algorithm.t_start=2", "train.rounds=4"])])
+def test_worker_processes_train_and_evaluate_from_a_store_on_disk(algorithm, settings, tmp_path):
+    # a row of a mapped file cannot be handed to a worker as the memory store's rows
+    # are (by file descriptor): it goes as a copy, and the results are the same
+    runs = [Simulation(fast_config(f"algorithm.name={algorithm}", *settings, *extra),
+                       progress=False)
+            for extra in ([], ["train.workers=2", "train.store=disk",
+                               f"train.store_dir={tmp_path}"])]
+    for sim in runs:
+        sim.run()
+    seq, par = runs
+    assert without_wall(seq.metrics) == without_wall(par.metrics)
+    a, b = seq.clients.state_dict("c/"), par.clients.state_dict("c/")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_run_on_disk_resumes_onto_disk_and_ends_as_a_straight_run(tmp_path):
     resumed, straight = resumed_and_straight(
         tmp_path, "algorithm.name=kapc", "train.participation=0.5", "train.store=disk")

@@ -42,7 +42,7 @@ from edgepfl.engine.workers import WorkerPool, worker_count
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message
 from edgepfl.federation.rng import derive_seed, generator
-from edgepfl.federation.store import StackedStore
+from edgepfl.federation.store import StackedStore, sendable
 from edgepfl.io import read_json, read_tensors, write_csv, write_json, write_tensors
 from edgepfl.system import FlopMeter, SystemModel, peak_rss_bytes, work_signature
 
@@ -162,6 +162,7 @@ class InProcess(Transport):
 
     def train(self, step: int, messages: dict[int, Message]) -> dict[int, ClientReply]:
         keys: dict[int, tuple] = {}
+        parallel = self.pool is not None and len(messages) > 1
 
         def tasks():
             # drawn lazily: in this process a task is made after the previous client's
@@ -173,9 +174,8 @@ class InProcess(Transport):
                 keys[cid] = ("client", self.arch[cid], self._work_shape(cid),
                              work_signature(msg, state))
                 count = self.flops.enabled and self.flops.cached(keys[cid]) is None
-                yield "train", step, cid, msg, state, count
+                yield "train", step, cid, msg, sendable(state) if parallel else state, count
 
-        parallel = self.pool is not None and len(messages) > 1
         replies = {}
         # in parallel every task is made before a reply is stored: the pool draws tasks in
         # a thread of its own, and a reply that adds entries to the store (an HMPL client
@@ -258,7 +258,9 @@ class InProcess(Transport):
         if self.pool is None or len(tasks) < 2:
             out.update(self._evaluate_task(task) for task in tasks)
         else:
-            out.update(self.pool.map(("eval", task) for task in tasks))
+            out.update(self.pool.map(
+                ("eval", (cid, sendable(state), msg and Message(sendable(msg.tensors), msg.meta)))
+                for cid, state, msg in tasks))
         return {cid: out[cid] for cid in messages}
 
     def _evaluate_task(self, task: tuple) -> tuple[int, Figures]:

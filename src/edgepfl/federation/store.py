@@ -128,6 +128,14 @@ class Stacks:
         return Stacks(Path(name).parent) if name in _MAPPED else MEMORY
 
 
+def sendable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` as a worker process can receive them: a view of a mapped file is
+    copied, since torch hands a worker a tensor's memory by its file descriptor and the
+    stacks' files are closed (and unlinked) once mapped; others go as they are."""
+    return {k: v.clone() if v.untyped_storage().filename is not None else v
+            for k, v in tensors.items()}
+
+
 MEMORY = Stacks()
 _CHECKED_FROM = 1 << 26  # bytes: a smaller stack is not worth reading /proc/meminfo for
 _MAPPED: set[str] = set()  # the files Stacks mapped (unlinked: names stay unique)
