@@ -54,7 +54,7 @@ from edgepfl.algorithms.local import fit
 from edgepfl.algorithms.training import ClientData, sgd_step, to_device
 from edgepfl.data.datasets import DATASETS, Dataset, load_dataset, resolve_data_root
 from edgepfl.errors import ConfigError
-from edgepfl.federation.accounting import counted_once
+from edgepfl.federation.accounting import counted_once, counter_aside
 from edgepfl.federation.messages import Message, MessageError, check_message, like
 from edgepfl.federation.rng import derive_seed, generator
 
@@ -329,19 +329,20 @@ class FedMDClient(PersonalModelClient):
         total, seen = 0.0, 0
         call = object()  # steps alike in shape: counted once (Trainer.fit's reasoning)
         try:
-            for _ in range(hp.digest_epochs):
-                order = torch.randperm(x.shape[0], generator=gen)
-                for start in range(0, x.shape[0], hp.digest_batch_size):
-                    batch = order[start:start + hp.digest_batch_size]
-                    with counted_once((call, batch.numel(), bufs is None)):
-                        loss = distance(model(trainer.layout(x[batch])),
-                                        to_device(target[batch], trainer.device))
-                        for p in params:
-                            p.grad = None
-                        loss.backward()
-                        bufs = sgd_step(params, lr, t.momentum, t.weight_decay, bufs)
-                    total += float(loss.detach()) * batch.numel()
-                    seen += batch.numel()
+            with counter_aside():  # drawing batches counts no FLOPs: no dispatch through it
+                for _ in range(hp.digest_epochs):
+                    order = torch.randperm(x.shape[0], generator=gen)
+                    for start in range(0, x.shape[0], hp.digest_batch_size):
+                        batch = order[start:start + hp.digest_batch_size]
+                        with counted_once((call, batch.numel(), bufs is None)):
+                            loss = distance(model(trainer.layout(x[batch])),
+                                            to_device(target[batch], trainer.device))
+                            for p in params:
+                                p.grad = None
+                            loss.backward()
+                            bufs = sgd_step(params, lr, t.momentum, t.weight_decay, bufs)
+                        total += float(loss.detach()) * batch.numel()
+                        seen += batch.numel()
         finally:
             for p in params:
                 p.grad = None
