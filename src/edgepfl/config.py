@@ -148,9 +148,9 @@ class TrainConfig(_Section):
         "train.workers = 1")
     store: Literal["memory", "disk"] = Field(
         "memory", description="where per-client state lives (the clients' models and what a "
-        "server keeps per client: KAPC's uploads, DC-PFL's and ClusterFL's stacks): memory, "
-        "or disk = files mapped into memory, for federations whose state exceeds the "
-        "machine's memory; the same results either way (bench/README.md, 'Scale')")
+        "server keeps per client, e.g. KAPC's uploads and relation cube): memory, or disk = "
+        "files mapped into memory, for federations whose state exceeds the machine's memory; "
+        "the same results either way (README, 'Many clients: state on disk')")
     store_dir: str | None = Field(
         None, description="train.store = disk: the folder for its files (deleted as they are "
         "made, freed when the run ends); default the run directory, else the temp folder")
