@@ -279,6 +279,28 @@ def test_pairs_never_selected_together_are_not_identical(tmp_path):
     assert rows[-1]["disc_pairs_imputed"] == float((~seen & off).sum() // 2)
 
 
+def test_complete_discrepancy_equals_floyd_warshall_over_the_measured_pairs():
+    from edgepfl.algorithms.dcpfl import complete_discrepancy
+
+    rng = np.random.default_rng(0)
+    for n, share in ((30, 0.08), (60, 0.2), (40, 0.02)):  # the last leaves clients unjoined
+        d = np.abs(rng.normal(size=(n, n)))
+        d = d + d.T
+        d[rng.random((n, n)) < 0.05] = 0.0  # identical clients: a measured 0 is a short cut
+        d = np.triu(d, 1) + np.triu(d, 1).T
+        seen = np.triu(rng.random((n, n)) < share, 1)
+        seen = seen | seen.T
+        ref = np.where(seen, d, np.inf)
+        np.fill_diagonal(ref, 0.0)
+        for k in range(n):
+            ref = np.minimum(ref, ref[:, k:k + 1] + ref[k:k + 1, :])
+        ref = np.where(seen, d, ref)
+        finite = ref[np.isfinite(ref)]
+        ref[~np.isfinite(ref)] = finite.max()
+        np.fill_diagonal(ref, 0.0)
+        assert np.allclose(complete_discrepancy(d, seen), ref, rtol=1e-12, atol=0)
+
+
 def test_complete_discrepancy_chains_measured_pairs():
     from edgepfl.algorithms.dcpfl import complete_discrepancy
 

@@ -189,11 +189,15 @@ def complete_discrepancy(avg: np.ndarray, seen: np.ndarray) -> np.ndarray:
     np.fill_diagonal(known, True)
     if known.all():
         return avg
+    from scipy.sparse.csgraph import csgraph_from_dense, shortest_path
+
     dist = np.where(known, avg, np.inf)
-    np.fill_diagonal(dist, 0.0)
-    for k in range(n):  # Floyd-Warshall over the measured pairs
-        dist = np.minimum(dist, dist[:, k:k + 1] + dist[k:k + 1, :])
-    out = np.where(known, avg, dist)
+    np.fill_diagonal(dist, np.inf)
+    # the measured pairs as a sparse graph (a measured 0 stays an edge) and Dijkstra from
+    # every client: sparse searches where Floyd-Warshall makes n passes over n x n (at
+    # 10,000 clients, 10^12 steps)
+    chains = shortest_path(csgraph_from_dense(dist, null_value=np.inf), method="D")
+    out = np.where(known, avg, chains)
     finite = out[np.isfinite(out)]
     top = float(finite.max()) if finite.size else 0.0
     out[~np.isfinite(out)] = top if top > 0 else 1.0
