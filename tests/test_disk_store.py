@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from edgepfl.engine.simulation import Simulation
+from edgepfl.engine.simulation import CHECKPOINT, Simulation, resume_run
 from edgepfl.errors import ConfigError
 from edgepfl.federation.store import MEMORY, StackedStore, Stacks
 from tests.conftest import fast_config, resumed_and_straight, without_wall
@@ -129,6 +129,24 @@ def test_a_run_on_disk_resumes_onto_disk_and_ends_as_a_straight_run(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(straight.server.W[p], resumed.server.W[p]) for p in straight.server.W)
     assert without_wall(straight.metrics) == without_wall(resumed.metrics)
+
+
+def test_a_run_kept_in_memory_resumes_with_its_state_on_disk(tmp_path):
+    settings = ["algorithm.name=kapc", "train.rounds=2", "train.participation=0.5"]
+    first = Simulation(fast_config(*settings), tmp_path, progress=False)
+    first._write_setup()
+    first.step()
+    first.save_checkpoint()
+    # the checkpoint of a run in memory loads onto disk
+    loaded = Simulation(fast_config(*settings, "train.store=disk"), tmp_path, progress=False)
+    loaded.load_checkpoint(tmp_path / CHECKPOINT)
+    assert all(mapped_in(t, tmp_path) for t in [*loaded.server.W.values(), loaded.server.R,
+                                                *loaded.clients.tensors.values()])
+    # and the run, resumed with the setting changed, ends as a straight run does
+    resumed = resume_run(tmp_path, overrides=["train.store=disk"], progress=False)
+    straight = Simulation(fast_config(*settings), progress=False).run()
+    assert without_wall(straight.metrics) == without_wall(resumed.metrics)
+    assert not any(p.name.startswith("stack-") for p in tmp_path.iterdir())
 
 
 def test_an_unusable_store_folder_is_refused_naming_the_setting(tmp_path):
