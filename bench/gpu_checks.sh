@@ -2,7 +2,7 @@
 # The GPU checks issue 21 leaves for a session lent a GPU, as one call (about 6-7 minutes
 # on an H100): clients batched into one step against one after another, whole rounds
 # on the CPU's 16 threads, on the GPU and batched on the GPU (FedAvg, KAPC, DC-PFL), and
-# the batched runs' figures against the CPU's. Logs go to $OUT (default runs/gpu); record
+# the batched runs' figures against the CPU's, and KAPC's state on disk on the GPU. Logs go to $OUT (default runs/gpu); record
 # them in bench/README.md ("On a GPU").
 #
 #     bash bench/gpu_checks.sh            # needs a CUDA GPU
@@ -16,6 +16,8 @@ python bench/vmap_step.py --device cuda --clients 10 --steps 50 --batch 32 --rep
 python bench/device_check.py --algorithms fedavg fedprox local kapc dcpfl --rounds 3 \
     --gpu-set train.batch_clients=true --out "$out/device_check_batched.json" \
     2>&1 | tee "$out/device_check_batched.log"
+python bench/device_check.py --algorithms kapc --rounds 2 --gpu-set train.store=disk \
+    --out "$out/device_check_disk.json" 2>&1 | tee "$out/device_check_disk.log"
 python bench/scale.py --clients 100 --algorithms fedavg --rounds 5 --modes seq cuda cuda-vmap \
     --set system.count_flops=false train.local_epochs=5 2>&1 | tee "$out/scale_fedavg.log"
 python bench/scale.py --clients 100 --algorithms kapc dcpfl --rounds 4 \
