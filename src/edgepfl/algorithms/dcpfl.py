@@ -183,7 +183,6 @@ def complete_discrepancy(avg: np.ndarray, seen: np.ndarray) -> np.ndarray:
     participation) ``avg`` is returned as it is.
     """
     avg = np.asarray(avg, dtype=np.float64)
-    n = avg.shape[0]
     known = np.asarray(seen, dtype=bool)
     known = known | known.T
     np.fill_diagonal(known, True)
