@@ -2,6 +2,7 @@
 give the in-memory run's results exactly, resume from a checkpoint onto disk again, and
 leave no file behind."""
 
+import errno
 import math
 import os
 
@@ -42,6 +43,17 @@ def test_a_disk_stack_is_a_mapped_file_that_is_already_unlinked(tmp_path):
     (tmp_path / "other.bin").write_bytes(bytes(48))
     other = torch.from_file(str(tmp_path / "other.bin"), shared=True, size=12)
     assert other.untyped_storage().filename is not None and Stacks.of(other) is MEMORY
+
+
+def test_a_disk_too_small_for_a_stack_is_a_clear_error_when_it_is_made(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    with pytest.raises(ConfigError, match=r"cannot hold a per-client stack \(1000, 1000\) of "
+                                          r"4.0 MB \(No space left on device\).*store_dir"):
+        Stacks(tmp_path).zeros((1000, 1000), torch.float32)
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
 def test_a_stacked_store_on_disk_keeps_its_rows_and_loads_onto_disk(tmp_path):

@@ -79,8 +79,20 @@ class Stacks:
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix="stack-", suffix=".bin", dir=self.directory)
         try:
-            # a sparse file: it reads as zeros and takes disk space only where written
-            os.ftruncate(fd, nbytes)
+            # the blocks reserved now (they read as zeros): a full disk is then this clear
+            # error, not a SIGBUS when a page of a sparse file is first written rounds later
+            reserve = getattr(os, "posix_fallocate", None)
+            try:
+                if reserve is None:  # macOS: a sparse file
+                    os.ftruncate(fd, nbytes)
+                else:
+                    reserve(fd, 0, nbytes)
+            except OSError as exc:
+                size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+                raise ConfigError(
+                    f"train.store = disk: {self.directory} cannot hold a per-client stack "
+                    f"{tuple(shape)} of {size} ({exc.strerror}); free space "
+                    f"there, or give train.store_dir a folder on a larger disk") from None
             flat = torch.from_file(name, shared=True, size=numel, dtype=dtype)
         finally:
             os.close(fd)
