@@ -18,6 +18,7 @@ kernel keeps the rows in use in its page cache and writes the rest back to the f
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -53,7 +54,8 @@ class Stacks:
     A mapped stack's file is unlinked as soon as it is mapped: its disk space lasts as
     long as the tensor does and is freed when the process ends, however it ends, so a run
     never leaves gigabytes of scratch files behind. What a run must keep, its checkpoint,
-    is written apart (``output.checkpoint_every``).
+    is written apart (``output.checkpoint_every``). ``directory`` must exist
+    (``engine.parts.run_stacks`` makes it and says so when it cannot).
     """
 
     def __init__(self, directory: str | Path | None = None):
@@ -67,16 +69,13 @@ class Stacks:
         return "Stacks(memory)" if self.directory is None else f"Stacks({str(self.directory)!r})"
 
     def zeros(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= int(size)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
         # bool masks and empty stacks are tiny; from_file maps nothing for them
         if self.directory is None or numel == 0 or dtype == torch.bool:
             if nbytes >= _CHECKED_FROM:
                 self.refuse_beyond_memory(nbytes, f"a per-client stack {tuple(shape)}")
             return torch.zeros(tuple(shape), dtype=dtype)
-        self.directory.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix="stack-", suffix=".bin", dir=self.directory)
         try:
             # the blocks reserved now (they read as zeros): a full disk is then this clear
@@ -136,7 +135,7 @@ class Stacks:
     def of(tensor: torch.Tensor) -> Stacks:
         """Where ``tensor`` lives: a copy made through this keeps it on disk if it was."""
         name = tensor.untyped_storage().filename
-        # only stacks mapped here: a tensor read from a checkpoint maps that file privately
+        # only stacks mapped here: a file anyone else mapped shared is not one of ours
         return Stacks(Path(name).parent) if name in _MAPPED else MEMORY
 
 
