@@ -15,7 +15,7 @@ from edgepfl.algorithms.fedavg import FedAvgClient
 from edgepfl.algorithms.fedprox import FedProxClient, proximal_hook
 from edgepfl.algorithms.kapc import KAPCBLSClient, KAPCClient
 from edgepfl.algorithms.moon import MOONClient
-from edgepfl.algorithms.training import ClientData, FitRequest, Trainer
+from edgepfl.algorithms.training import ClientData, FitRequest, Pull, Trainer
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.models import build_model
@@ -71,6 +71,28 @@ def test_fit_many_batches_the_clients_and_ends_where_one_fit_after_another_does(
     # the clients moved: the comparison is not of untrained weights
     start = requests(trainer)[0].weights
     assert max(float((batched[0][0][n] - start[n]).abs().max()) for n in start) > 1e-2
+
+
+@pytest.mark.parametrize("coefs", [(0.1, 0.1, 0.1), (0.1, 0.2, 0.1)])
+def test_fit_many_applies_the_clients_pulls_at_once_with_the_bits_of_one_by_one(coefs):
+    """Pulls of one coefficient go as one operation on the stacked weights; the same hooks
+    hidden behind a plain function go client by client. Both give the same bits, and so do
+    pulls of different coefficients (which go client by client)."""
+    trainer = Trainer(build_model("cnn_small", (1, 8, 8), 10))
+
+    def made(plain: bool) -> list[FitRequest]:
+        out = requests(trainer)
+        for r, coef in zip(out, coefs, strict=True):
+            pull = Pull(coef, r.grad_hook.anchor)
+            r.grad_hook = (lambda p, g, pull=pull: pull(p, g)) if plain else pull
+        return out
+
+    batched, looped = trainer.fit_many(made(False)), trainer.fit_many(made(True))
+    unpulled = trainer.fit_many([FitRequest(**{**vars(r), "grad_hook": None})
+                                 for r in made(False)])
+    for (wa, _), (wb, _), (wc, _) in zip(batched, looped, unpulled, strict=True):
+        assert all(torch.equal(wa[n], wb[n]) for n in wa)
+        assert not all(torch.equal(wa[n], wc[n]) for n in wa)  # the pull did act
 
 
 def test_batchable_refuses_buffers_dropout_mixed_settings_and_a_single_client():

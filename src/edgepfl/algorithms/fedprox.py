@@ -12,6 +12,7 @@ from pydantic import Field
 
 from edgepfl.algorithms.base import Algorithm
 from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
+from edgepfl.algorithms.training import Pull
 from edgepfl.federation.messages import Message
 
 
@@ -19,12 +20,9 @@ class FedProxHyperparameters(FedAvgHyperparameters):
     mu: float = Field(0.01, ge=0, description="proximal coefficient (FedProx paper tunes over 0.001-1)")
 
 
-def proximal_hook(mu: float, anchor: list[torch.Tensor]):
+def proximal_hook(mu: float, anchor: list[torch.Tensor]) -> Pull:
     """Gradient of mu/2 ||w - anchor||^2 added in place."""
-    def hook(params, grads):
-        diffs = torch._foreach_sub(list(params), anchor)
-        torch._foreach_add_(list(grads), diffs, alpha=mu)
-    return hook
+    return Pull(mu, anchor)
 
 
 class FedProxClient(FedAvgClient):

@@ -53,7 +53,7 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.local import sgd_request
-from edgepfl.algorithms.training import ClientData, FitRequest, server_device
+from edgepfl.algorithms.training import ClientData, FitRequest, Pull, server_device
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError, check_message
 from edgepfl.federation.rng import derive_seed, generator
@@ -586,10 +586,6 @@ def coaching_hook(lam: float, targets: list[torch.Tensor], loss: str,
     squared: 2 lambda (w - s); l2: lambda (w^l - s^l) / ||w^l - s^l|| per layer ``groups``
     (indices into the parameter list), the zero subgradient where the layer matches s.
     """
-    def squared(params, grads):
-        diffs = torch._foreach_sub(list(params), targets)
-        torch._foreach_add_(list(grads), diffs, alpha=2 * lam)
-
     def plain(params, grads):
         diffs = torch._foreach_sub(list(params), targets)
         for group in groups or []:
@@ -598,7 +594,7 @@ def coaching_hook(lam: float, targets: list[torch.Tensor], loss: str,
                 for k in group:
                     grads[k].add_(diffs[k], alpha=lam / float(norm))
 
-    return squared if loss == "squared" else plain
+    return Pull(2 * lam, targets) if loss == "squared" else plain
 
 
 class KAPCClient(PersonalModelClient):

@@ -28,6 +28,21 @@ from edgepfl.models.layers import LayerSpec
 
 State = dict[str, torch.Tensor]
 GradHook = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]
+
+
+@dataclass(frozen=True)
+class Pull:
+    """The gradient of coef/2 ||w - anchor||^2, coef (w - anchor), added in place: the
+    proximal pull of FedProx, FedAMP, ClusterFL and KAPC's squared coaching loss. A
+    ``GradHook`` like any other; ``fit_many`` applies the pulls of a step's clients as one
+    operation on their stacked weights instead of one per client."""
+
+    coef: float
+    anchor: Sequence[torch.Tensor]
+
+    def __call__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        diffs = torch._foreach_sub(list(params), list(self.anchor))
+        torch._foreach_add_(list(grads), diffs, alpha=self.coef)
 LossHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -462,6 +477,13 @@ class Trainer:
             return F.cross_entropy(functional_call(model, params, (x,)), y)
 
         step = vmap(grad_and_value(loss))
+        pulls = [r.grad_hook for r in requests]
+        # the same pull for every client: one operation on the stacked weights and anchors
+        # per step, elementwise as each client's own, so the same bits
+        pulled = (all(isinstance(h, Pull) for h in pulls)
+                  and len({h.coef for h in pulls}) == 1)  # type: ignore[union-attr]
+        anchors = ({n: torch.stack([h.anchor[j] for h in pulls])  # type: ignore[union-attr]
+                    for j, n in enumerate(names)} if pulled else {})
         batches = [r.epochs_of_batches() for r in requests]
         loss_sum = torch.zeros(k, device=self.device)
         seen, steps = [0] * k, [0] * k
@@ -481,7 +503,11 @@ class Trainer:
                 y = to_device(torch.stack([drawn[i][1] for i in members]), self.device)
                 grads, losses = step(params, x, y)
 
-                def hooks(p, g, members=members):
+                def hooks(p, g, members=members, whole=whole, rows=rows):
+                    if pulled:
+                        coef = pulls[0].coef  # type: ignore[union-attr]
+                        Pull(coef, [anchors[n] if whole else anchors[n][rows] for n in names])(p, g)
+                        return
                     for j, i in enumerate(members):
                         if requests[i].grad_hook is not None:
                             requests[i].grad_hook([t[j] for t in p], [t[j] for t in g])
