@@ -204,3 +204,40 @@ def test_batched_clients_and_worker_processes_are_one_or_the_other():
     sim = Simulation(fast_config("train.batch_clients=true", "train.workers=auto"),
                      progress=False)
     assert sim.transport.pool is None
+
+
+def test_batches_gathered_from_the_whole_data_set_are_those_fit_draws():
+    """``fit_many`` gathers a step's batches of whole images with one index over the data
+    set (on the GPU, from its copy there, with each epoch's order sent once): the same
+    normalised pixels and labels, in the same order, as each client's ``batches``."""
+    from edgepfl.data.datasets import Normalise
+
+    trainer = Trainer(build_model("cnn_small", (1, 8, 8), 10))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 256, (120, 1, 8, 8), dtype=torch.uint8, generator=g)
+    y = torch.randint(0, 10, (120,), generator=g)
+    norm = Normalise.of((0.13,), (0.31,), 255.0)
+
+    def made():
+        return [FitRequest({}, ClientData(x, y, torch.randperm(120, generator=g)[:n], norm=norm),
+                           2, 16, 0.1, torch.Generator().manual_seed(7 + k))
+                for k, n in enumerate((40, 40, 33))]
+
+    g.manual_seed(5)
+    reqs = made()
+    draw, inputs = trainer._batch_source(reqs)
+    g.manual_seed(5)
+    expected = [list(r.epochs_of_batches()) for r in made()]
+    streams = [list(draw(r)) for r in reqs]
+    assert [len(s) for s in streams] == [len(e) for e in expected] == [6, 6, 6]
+    groups = 0
+    for step in range(6):
+        for size in {streams[i][step][0].numel() for i in range(3)}:
+            members = [i for i in range(3) if streams[i][step][0].numel() == size]
+            xs, ys = inputs([streams[i][step] for i in members])
+            assert xs.dtype == torch.float32 and xs.shape[:2] == (len(members), size)
+            for j, i in enumerate(members):
+                assert torch.equal(xs[j], expected[i][step][0])
+                assert torch.equal(ys[j], expected[i][step][1])
+            groups += 1
+    assert groups == 8  # the short last batches (8, 8 and 1) of each epoch in two groups

@@ -123,6 +123,11 @@ class ClientData:
         x = cut(self.x, idx, self.boxes[pos])
         return x if self.norm is None else self.norm(x), self.y.index_select(0, idx)
 
+    def order(self, gen: torch.Generator) -> torch.Tensor:
+        """One epoch's shuffle of whole images, as data-set rows drawn with ``gen``:
+        ``batches`` cuts it into consecutive runs of ``batch_size``."""
+        return self.idx[torch.randperm(self.n, generator=gen)]
+
     def batches(self, batch_size: int, gen: torch.Generator):
         """One epoch of shuffled mini-batches drawn with ``gen``.
 
@@ -132,13 +137,13 @@ class ClientData:
         one shape, so nothing is padded or resized; a size's last batch may be short (one
         short batch per crop size and epoch, not one per epoch).
         """
-        perm = torch.randperm(self.n, generator=gen)
         if self.boxes is None:
-            order = self.idx[perm]
+            order = self.order(gen)
             for start in range(0, self.n, batch_size):
                 bidx = order[start:start + batch_size]
                 yield self.take(bidx), self.y.index_select(0, bidx)
             return
+        perm = torch.randperm(self.n, generator=gen)
         runs: list[torch.Tensor] = []
         for pos in shape_groups(self.boxes[perm]):
             runs += perm[pos].split(batch_size)
@@ -333,6 +338,7 @@ class Trainer:
         # gradients, batch shape) and update per (parameters, first step): functions of
         # this skeleton's architecture and those alone, shared by clients (``counted_once``)
         self._step_flops: dict[object, tuple[int, int]] = {}
+        self._resident: tuple | None = None  # (host x, host y, device x, y, norm)
 
     # -- weights in and out of the skeleton ---------------------------------------
     def load(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
@@ -477,6 +483,7 @@ class Trainer:
             return F.cross_entropy(functional_call(model, params, (x,)), y)
 
         step = vmap(grad_and_value(loss))
+        draw, inputs = self._batch_source(requests)
         pulls = [r.grad_hook for r in requests]
         # the same pull for every client: one operation on the stacked weights and anchors
         # per step, elementwise as each client's own, so the same bits
@@ -484,7 +491,7 @@ class Trainer:
                   and len({h.coef for h in pulls}) == 1)  # type: ignore[union-attr]
         anchors = ({n: torch.stack([h.anchor[j] for h in pulls])  # type: ignore[union-attr]
                     for j, n in enumerate(names)} if pulled else {})
-        batches = [r.epochs_of_batches() for r in requests]
+        batches = [draw(r) for r in requests]
         loss_sum = torch.zeros(k, device=self.device)
         seen, steps = [0] * k, [0] * k
         active = list(range(k))
@@ -492,15 +499,14 @@ class Trainer:
             drawn = {i: b for i in active if (b := next(batches[i], None)) is not None}
             active = list(drawn)
             groups: dict[tuple, list[int]] = {}
-            for i, (x, _) in drawn.items():
-                groups.setdefault(tuple(x.shape), []).append(i)
+            for i, b in drawn.items():
+                groups.setdefault(tuple(b[0].shape), []).append(i)
             for members in groups.values():
                 whole = len(members) == k
                 # the whole stack needs no index (nor its copy to the device every step)
                 rows = slice(None) if whole else to_device(torch.tensor(members), self.device)
                 params = stacked if whole else {n: stacked[n][rows] for n in names}
-                x = to_device(torch.stack([drawn[i][0] for i in members]), self.device)
-                y = to_device(torch.stack([drawn[i][1] for i in members]), self.device)
+                x, y = inputs([drawn[i] for i in members])
                 grads, losses = step(params, x, y)
 
                 def hooks(p, g, members=members, whole=whole, rows=rows):
@@ -530,6 +536,64 @@ class Trainer:
                     steps[i] += 1
         return [({n: host(stacked[n][i]) for n in names},
                  fit_stats(float(loss_sum[i]), seen[i], steps[i])) for i in range(k)]
+
+    def _batch_source(self, requests: Sequence[FitRequest]):
+        """How ``fit_many`` draws batches: ``draw(request)`` iterates a client's batches
+        (each a tuple whose first tensor's shape groups clients), ``inputs(batches)`` makes
+        one step's ``(x, y)`` of shape ``[clients, batch, ...]`` on the device.
+
+        Whole images of one data set (the usual case) are gathered from a copy of the data
+        set on the device, with each epoch's order sent once per client: the host draws
+        the order as ``fit`` does, and nothing else crosses to the GPU during training. A
+        copy from host memory per step costs more than the step itself on a GPU, where a
+        vmapped step of a small model is a few launches. Crops, several data sets, or a
+        data set too large for a quarter of the free GPU memory are gathered on the host.
+        """
+        def host_inputs(drawn):
+            return (to_device(torch.stack([b[0] for b in drawn]), self.device),
+                    to_device(torch.stack([b[1] for b in drawn]), self.device))
+
+        first = requests[0].data
+        alike = all(r.data.boxes is None and r.data.x is first.x and r.data.y is first.y
+                    for r in requests)
+        resident = self._on_device(first) if alike else None
+        if resident is None:
+            return FitRequest.epochs_of_batches, host_inputs
+        xd, yd, norm = resident
+
+        def draw(r: FitRequest) -> Iterator[tuple[torch.Tensor]]:
+            for _ in range(r.epochs):
+                order = to_device(r.data.order(r.gen), self.device)  # once an epoch
+                for start in range(0, order.numel(), r.batch_size):
+                    yield (order[start:start + r.batch_size],)
+
+        def inputs(drawn):
+            rows = torch.cat([b[0] for b in drawn])
+            x = xd.index_select(0, rows)
+            x = x if norm is None else norm(x)
+            return (x.view(len(drawn), -1, *x.shape[1:]),
+                    yd.index_select(0, rows).view(len(drawn), -1))
+        return draw, inputs
+
+    def _on_device(self, data: ClientData) -> tuple | None:
+        """(x, y, norm) of ``data``'s data set on this trainer's device, copied once and
+        kept while clients of that data set train; None where it would not fit."""
+        if self.device.type == "cpu":
+            return data.x, data.y, data.norm
+        held = self._resident
+        if held is not None and held[0] is data.x and held[1] is data.y:
+            return held[2:]
+        self._resident = None  # the last data set's copy goes before another is made
+        need = data.x.numel() * data.x.element_size() + data.y.numel() * data.y.element_size()
+        if need > torch.cuda.mem_get_info(self.device)[0] / 4:
+            return None
+        norm = data.norm
+        if norm is not None:
+            if not hasattr(norm, "to"):  # a normalisation that cannot move runs on the host
+                return None
+            norm = norm.to(self.device)
+        self._resident = (data.x, data.y, data.x.to(self.device), data.y.to(self.device), norm)
+        return self._resident[2:]
 
     # -- evaluation -------------------------------------------------------------------
     @torch.inference_mode()

@@ -62,6 +62,10 @@ class Normalise:
         s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         return cls(1.0 / (scale * s), m / s)
 
+    def to(self, device: torch.device) -> Normalise:
+        """The same normalisation for batches on ``device``."""
+        return Normalise(self.mul.to(device), self.sub.to(device))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """A fresh float32 batch (one multiply and one subtract, in place on the copy)."""
         return x.to(torch.float32).mul_(self.mul).sub_(self.sub)
