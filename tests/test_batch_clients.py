@@ -241,3 +241,30 @@ def test_batches_gathered_from_the_whole_data_set_are_those_fit_draws():
                 assert torch.equal(ys[j], expected[i][step][1])
             groups += 1
     assert groups == 8  # the short last batches (8, 8 and 1) of each epoch in two groups
+
+
+@pytest.mark.parametrize("mode", ["train.batch_clients=true", "train.workers=2"])
+def test_round_1_counts_each_kind_of_work_once_and_trains_the_rest_uncounted(mode, monkeypatch):
+    """Six IID clients are of two sizes (334 and 333 samples): in round 1 one client of
+    each size is counted, as one after another counts them, and with batched clients the
+    other four train in one batched step. Every client's FLOPs are those of the run that
+    counts all six (no cache of counts)."""
+    batched = []
+    fit_many = Trainer.fit_many
+
+    def spy(self, reqs):
+        batched.append(len(reqs))
+        return fit_many(self, reqs)
+
+    monkeypatch.setattr(Trainer, "fit_many", spy)
+    iid = ["algorithm.name=fedavg", "partition.scheme=iid", "train.rounds=1"]
+    runs = {}
+    for name, sets in (("seq", []), ("uncached", ["system.cache_flops=false"]), ("mode", [mode])):
+        sim = Simulation(fast_config(*iid, *sets), progress=False)
+        sim.step()
+        sim.transport.close()
+        runs[name] = sim.metrics[-1]["flops_client"], sim.flops.hits, sim.flops.misses
+    assert runs["seq"][0] == runs["uncached"][0] == runs["mode"][0] > 0
+    assert runs["mode"] == runs["seq"]  # counted (misses) and taken (hits) alike
+    assert runs["uncached"][2] == runs["seq"][2] + 4  # the four taken counts, made
+    assert batched == ([4] if "batch" in mode else [])

@@ -165,15 +165,22 @@ class InProcess(Transport):
         parallel = self.pool is not None and len(messages) > 1
 
         def tasks():
-            # drawn lazily: in this process a task is made after the previous client's
-            # count was kept, so clients of one step alike in work are counted once
+            # local training cost depends on shapes, not values: counted once per
+            # architecture, data shape and message/state signature, not once per client.
+            # Only the first client of a key in a step is counted; the others take its
+            # count, which is kept before theirs is asked for, as replies come in task
+            # order. So with worker processes or batched clients too (all tasks are made
+            # before the first reply) a round's clients alike in work are counted once,
+            # and the rest train uncounted: in workers, or batched.
+            counting: set[tuple] = set()
             for cid, down in messages.items():
                 msg, state = down.delivered(), self.store.row(cid)
-                # local training cost depends on shapes, not values: counted once per
-                # architecture, data shape and message/state signature, not once per client
-                keys[cid] = ("client", self.arch[cid], self._work_shape(cid),
-                             work_signature(msg, state))
-                count = self.flops.enabled and self.flops.cached(keys[cid]) is None
+                key = keys[cid] = ("client", self.arch[cid], self._work_shape(cid),
+                                   work_signature(msg, state))
+                count = (self.flops.enabled and self.flops.cached(key) is None
+                         and key not in counting)
+                if count and self.flops.cache:
+                    counting.add(key)
                 yield "train", step, cid, msg, sendable(state) if parallel else state, count
 
         replies = {}
@@ -217,8 +224,8 @@ class InProcess(Transport):
     def _train_batched(self, tasks: list[tuple]) -> list[tuple]:
         """``_worker_task`` of every task, the fits of clients that state them
         (``Client.fit_request``) batched per architecture (``Trainer.fit_many``). A client
-        whose FLOPs are still to be counted trains alone under the meter, so that counts
-        stay those of one client's training."""
+        whose FLOPs are to be counted (the first of its kind in the step) trains alone
+        under the meter, so that counts stay those of one client's training."""
         out: dict[int, tuple] = {}
         waiting: dict[str, list[tuple]] = {}
         for task in tasks:
