@@ -28,6 +28,7 @@ from edgepfl.models.layers import LayerSpec
 
 State = dict[str, torch.Tensor]
 GradHook = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]
+LossHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,21 @@ class Pull:
     def __call__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         diffs = torch._foreach_sub(list(params), list(self.anchor))
         torch._foreach_add_(list(grads), diffs, alpha=self.coef)
-LossHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+    @staticmethod
+    def stacked(hooks: Sequence[GradHook | None]) -> Pull | None:
+        """The clients' pulls as one on their stacked weights (``[clients, ...]`` anchors),
+        elementwise as each client's own, so the same bits; None unless every hook is a
+        pull of one coefficient."""
+        pulls = [h for h in hooks if isinstance(h, Pull)]
+        if len(pulls) != len(hooks) or len({p.coef for p in pulls}) != 1:
+            return None
+        return Pull(pulls[0].coef, [torch.stack(a) for a in zip(*(p.anchor for p in pulls),
+                                                                   strict=True)])
+
+    def rows(self, rows: torch.Tensor) -> Pull:
+        """A stacked pull for the clients at ``rows`` alone."""
+        return Pull(self.coef, [a[rows] for a in self.anchor])
 
 
 @dataclass
@@ -484,13 +499,7 @@ class Trainer:
 
         step = vmap(grad_and_value(loss))
         draw, inputs = self._batch_source(requests)
-        pulls = [r.grad_hook for r in requests]
-        # the same pull for every client: one operation on the stacked weights and anchors
-        # per step, elementwise as each client's own, so the same bits
-        pulled = (all(isinstance(h, Pull) for h in pulls)
-                  and len({h.coef for h in pulls}) == 1)  # type: ignore[union-attr]
-        anchors = ({n: torch.stack([h.anchor[j] for h in pulls])  # type: ignore[union-attr]
-                    for j, n in enumerate(names)} if pulled else {})
+        pull = Pull.stacked([r.grad_hook for r in requests])
         batches = [draw(r) for r in requests]
         loss_sum = torch.zeros(k, device=self.device)
         seen, steps = [0] * k, [0] * k
@@ -510,9 +519,8 @@ class Trainer:
                 grads, losses = step(params, x, y)
 
                 def hooks(p, g, members=members, whole=whole, rows=rows):
-                    if pulled:
-                        coef = pulls[0].coef  # type: ignore[union-attr]
-                        Pull(coef, [anchors[n] if whole else anchors[n][rows] for n in names])(p, g)
+                    if pull is not None:
+                        (pull if whole else pull.rows(rows))(p, g)
                         return
                     for j, i in enumerate(members):
                         if requests[i].grad_hook is not None:
