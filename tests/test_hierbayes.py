@@ -9,6 +9,10 @@ import torch
 from edgepfl.algorithms.hierbayes import (
     MEAN,
     PREC,
+    VAR,
+    Layout,
+    edge_update,
+    expected_var,
     gamma_block,
     gaussian_block,
     proximal_pull,
@@ -134,7 +138,7 @@ def test_one_draw_without_spread_is_the_deterministic_forward_pass():
                      progress=False)
     sim.step()
     state = sim.clients.row(0)
-    models = sim.client.predictive(0, state, sim.server.eval_message(0), sim.train_data[0])
+    models = sim.client.predictive(0, state, sim.rounds.eval_message(0), sim.train_data[0])
     assert len(models[""]) == 1 and models[""][0] is not None
     x, y = sim.test_data[0]
     trainer = sim.trainer
@@ -160,7 +164,7 @@ def test_personalization_is_fitted_at_test_time_for_every_client():
     """Eq. 33's fit runs on each client's own data from the current psi*, so a client that
     was not selected is not judged by a stale model; it costs no training-round bytes."""
     common = [*HB, "partition.clients=8", "train.participation=0.25", "train.rounds=3"]
-    cloud = Simulation(fast_config(*common), progress=False).run()
+    cloud = Simulation(fast_config(*common, "algorithm.personalize=cloud"), progress=False).run()
     edge = Simulation(fast_config(*common, "algorithm.personalize=edge"), progress=False).run()
     for a, b in zip(cloud.metrics, edge.metrics, strict=True):
         assert a["bytes_down"] == b["bytes_down"] and a["bytes_up"] == b["bytes_up"]
@@ -204,3 +208,105 @@ def test_hierbayes_runs_with_asynchronous_edges():
                                     "train.rounds=3"), progress=False).run()
     assert "edge_rounds_max" in result.metrics[-1]
     assert not math.isnan(result.summary["acc_mean_final"])
+
+
+# -- variances that the models move ----------------------------------------------------------
+def test_a_layer_variance_approaches_the_models_spread_as_the_layer_grows():
+    """One variance per tensor: its coordinates are its evidence, so however far the prior
+    sits (here 100x the spread), E[sigma^2] goes to the clients' empirical spread around
+    the edge mean (plus their own posterior variance and the mean's), and a coordinate-wise
+    variance stays at the prior."""
+    spread, size, eps = 1e-4, 6, 1e-3
+    gaps = []
+    for d in (10, 1_000, 100_000):
+        g = torch.Generator().manual_seed(d)
+        init = {"w": torch.zeros(d)}
+        uploads = spread ** 0.5 * torch.randn(size, d, generator=g, dtype=torch.float64)
+        out = []
+        for per_layer in (True, False):
+            layout = Layout(init, ["w"], per_layer)
+            b_p = torch.full((d,), 100 * spread, dtype=torch.float64)  # a_p = 1: prior mean 100x
+            m, v, a, b = edge_update(uploads, size, eps, torch.zeros(d, dtype=torch.float64),
+                                     torch.full((d,), 1e-12, dtype=torch.float64),
+                                     torch.ones(d, dtype=torch.float64), b_p.clone(), 1.0, b_p, 5,
+                                     layout)
+            empirical = float(((uploads - m) ** 2).mean() + eps ** 2 + v.mean())
+            out.append(float(expected_var(a, b).mean()) / empirical)
+        gaps.append(abs(out[0] - 1))
+        assert out[1] > 5  # coordinate-wise: a handful of models cannot outweigh the prior
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-3, gaps
+
+
+def test_the_variance_prior_scales_with_each_layers_initial_weights():
+    init = {"a": torch.full((4, 4), 0.1), "b": torch.full((3,), 2.0), "z": torch.zeros(5)}
+    layout = Layout(init, list(init), True)
+    pv = layout.prior_var(0.5)
+    assert torch.allclose(pv[:16], torch.full((16,), 0.5 * 0.01, dtype=torch.float64))
+    assert torch.allclose(pv[16:19], torch.full((3,), 0.5 * 4.0, dtype=torch.float64))
+    # a zero-initialised tensor (a bias) takes the model's mean square
+    model_ms = (16 * 0.01 + 3 * 4.0) / 24
+    assert torch.allclose(pv[19:], torch.full((5,), 0.5 * model_ms, dtype=torch.float64))
+
+
+def test_shared_values_travel_as_one_number_per_tensor():
+    init = {"a": torch.zeros(4, 4), "b": torch.zeros(3)}
+    layout = Layout(init, list(init), True)
+    x = layout.pool(torch.arange(19, dtype=torch.float64))
+    sent = layout.shared(x, PREC)
+    assert {k: tuple(v.shape) for k, v in sent.items()} == {PREC + "a": (1,), PREC + "b": (1,)}
+    assert torch.equal(layout.read(Message(sent), PREC), x.float().double())
+    with pytest.raises(Exception, match="shape"):
+        layout.read(Message({PREC + "a": torch.zeros(2), PREC + "b": torch.zeros(1)}), PREC)
+
+
+def test_learned_client_variance_is_eq24s_optimum_and_keeps_the_clients_moving():
+    """With a learned q_i variance s^2 = 1 / (n h + lambda), the spread the edge sees can
+    never fall below the clients' own posterior variance, so the learned pull does not
+    collapse the clients onto the edge mean as FedHB's fixed small spread does."""
+    base = [*HB, "train.rounds=4", "partition.clients=6"]
+    learned = Simulation(fast_config(*base), progress=False)
+    sim = learned
+    client, data = sim.client, sim.train_data[0]
+    edge_mean = {k: v.clone() for k, v in sim.parts.init_model.items()}
+    lam = 50.0
+    msg = Message({**{MEAN + k: v for k, v in edge_mean.items()},
+                   **{PREC + k: torch.full((1,), lam) for k in edge_mean}})
+    reply = client.update(0, msg, {}, data, generator(0, "c")).reply.tensors
+    for k in edge_mean:
+        s2 = float(reply[VAR + k])
+        assert 0 < s2 <= 1 / lam + 1e-9, k  # the data only shrinks it below the prior's
+    assert any(float(reply[VAR + k]) < 0.99 / lam for k in edge_mean)
+    fixed = Simulation(fast_config(*base, "algorithm.client_var=fixed"), progress=False).run()
+    moving = learned.run()
+    # FedHB's fixed spread: the learned precision explodes and training stops
+    assert fixed.metrics[-1]["client_prec"] > 20 * moving.metrics[-1]["client_prec"]
+    assert moving.metrics[-1]["train_loss"] < fixed.metrics[-1]["train_loss"]
+
+
+def test_with_one_edge_edge_posterior_and_cloud_personalization_coincide():
+    one = [*HB[:1], "topology.edges=1", "train.rounds=2"]
+    edge = Simulation(fast_config(*one), progress=False).run()
+    cloud = Simulation(fast_config(*one, "algorithm.personalize=cloud"), progress=False).run()
+    assert edge.client_accuracy == cloud.client_accuracy
+    assert [r["acc_mean"] for r in edge.metrics] == [r["acc_mean"] for r in cloud.metrics]
+    # with two edges they are different protocols
+    two_edge = Simulation(fast_config(*HB, "train.rounds=2"), progress=False).run()
+    two_cloud = Simulation(fast_config(*HB, "train.rounds=2", "algorithm.personalize=cloud"),
+                           progress=False).run()
+    assert two_edge.client_accuracy != two_cloud.client_accuracy
+
+
+def test_with_a_vanishing_spread_the_sampled_predictive_is_psis_forward_pass():
+    sim = Simulation(fast_config(*HB, "algorithm.mc_samples=3"), progress=False)
+    sim.step()
+    msg = sim.rounds.eval_message(0)
+    tiny = Message({k: (torch.full_like(v, 1e-30) if k.startswith(VAR) else v)
+                    for k, v in msg.tensors.items()}, msg.meta)
+    models = sim.client.predictive(0, sim.clients.row(0), tiny, sim.train_data[0])
+    x, y = sim.test_data[0]
+    sampled = sim.trainer.evaluate_predictive(models["global"], x, y)
+    psi = sim.trainer.evaluate(models["psi"][0], x, y)
+    assert sampled[0] == psi[0] and sampled[1] == pytest.approx(psi[1], rel=1e-5)
+    # and with the run's own spread the draws do differ from psi
+    drawn = sim.client.predictive(0, sim.clients.row(0), msg, sim.train_data[0])["global"]
+    assert any(not torch.equal(drawn[0][k], models["psi"][0][k]) for k in drawn[0])

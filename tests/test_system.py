@@ -210,7 +210,11 @@ def test_tiers_follow_their_shares_exactly():
     ({"bandwidth": 3}, ["unknown setting 'system.bandwidth'", "client_bandwidth_mhz"]),
     # wen_table2: its channel is fixed, its compute is not priced by FLOP/s ...
     ({"profile": "wen_table2", "noise_dbm_per_hz": -174},
-     ["noise_dbm_per_hz = -174", "profile value -125", "'custom'"]),
+     ["noise_dbm_per_hz = -174", "profile value -185", "'band_noise'", "'custom'"]),
+    ({"profile": "wen_table2", "wen_reading": "density_dbm", "noise_dbm_per_hz": -185},
+     ["noise_dbm_per_hz = -185", "profile value -125", "'density_dbm'"]),
+    ({"profile": "wen_table2", "wen_reading": "watts"}, ["wen_reading", "band_noise", "density_watts"]),
+    ({"wen_reading": "density_dbm"}, ["wen_reading = 'density_dbm'", "only to profile = 'wen_table2'"]),
     ({"profile": "wen_table2", "client_power_dbm": [44.77, 44.77]},
      ["client_power_dbm = [44.77, 44.77] (profile value [30, 30])", "Table 2"]),
     ({"profile": "wen_table2", "downlink_sharing": "fdma"}, ["downlink_sharing = 'fdma'", "wen_table2"]),
@@ -243,19 +247,25 @@ def test_config_survives_its_json_copy_unchanged(data):
 
 # -- wen_table2 (Wen et al. Table 2) ----------------------------------------------------
 N0_WEN = 10 ** ((-125 - 30) / 10)  # -125 dBm/Hz in W/Hz
+N0_BAND = 10 ** ((-125 - 30) / 10) / 1e6  # -125 dBm over 1 MHz, per Hz
 
 
 def test_wen_table2_config_carries_the_profile_values():
     cfg = build_system_config({"profile": "wen_table2"})
     assert cfg.client_bandwidth_mhz == [1.0, 1.0] and cfg.server_bandwidth_mhz == 1.0
     assert cfg.client_power_dbm == [30.0, 30.0] and cfg.server_power_dbm == 30.0  # 1 W
-    assert cfg.noise_dbm_per_hz == -125.0
+    assert cfg.wen_reading == "band_noise" and cfg.noise_dbm_per_hz == -185.0
     assert (cfg.up_interference_mean, cfg.up_interference_std) == (0.0, 0.0)
     assert (cfg.down_interference_mean, cfg.down_interference_std) == (0.0, 0.0)
     assert cfg.distance_m == [100.0, 500.0] and cfg.path_loss_db == -40.0  # KAPC Table 4's
     assert (cfg.cpu_ghz, cfg.cycles_per_bit, cfg.data_mb) == ([0.5, 1.0], 15.0, 2.0)
     # restating a profile value is fine; so is changing its compute settings
-    build_system_config({"profile": "wen_table2", "noise_dbm_per_hz": -125, "cpu_ghz": [0.6, 0.9]})
+    build_system_config({"profile": "wen_table2", "noise_dbm_per_hz": -185, "cpu_ghz": [0.6, 0.9]})
+    # the literal readings, by name
+    dbm = build_system_config({"profile": "wen_table2", "wen_reading": "density_dbm"})
+    assert dbm.noise_dbm_per_hz == -125.0 and dbm.client_power_dbm == [30.0, 30.0]
+    watts = build_system_config({"profile": "wen_table2", "wen_reading": "density_watts"})
+    assert watts.noise_dbm_per_hz == -125.0 and watts.client_power_dbm == [44.77, 44.77]
     # the profile is filled in when the whole run config is built, too
     from edgepfl.config import build_config
     assert build_config({}, ["system.profile=wen_table2"]).system == cfg
@@ -265,20 +275,31 @@ def test_wen_table2_config_carries_the_profile_values():
 
 
 def test_wen_table2_rates_match_hand_computation():
-    # the worked example in docs/system.md: B = 1 MHz, p = 30 dBm = 1 W, N0 = -125 dBm/Hz,
-    # h = 1e-4 * d^-4, no interference; at 100 m: SNR = 1e-12 / 3.162e-10 = -25 dB
-    at_100m = 1e6 * math.log2(1 + 1.0 * 1e-12 / (1e6 * N0_WEN))
-    assert at_100m == pytest.approx(4555, rel=1e-3)  # bit/s; 1 MB takes 1756 s
-    assert shannon_rate(1e6, 1.0, 1e-12, 0.0, N0_WEN) == pytest.approx(at_100m, rel=1e-12)
+    # the worked example in docs/system.md: B = 1 MHz, p = 30 dBm = 1 W, -125 dBm of noise
+    # over the band, h = 1e-4 * d^-4, no interference: 11.6 Mbit/s at 100 m, 2.6 at 500 m
+    at_100m = 1e6 * math.log2(1 + 1.0 * 1e-12 / (1e6 * N0_BAND))
+    at_500m = 1e6 * math.log2(1 + 1.0 * (1e-4 * 500.0 ** -4) / (1e6 * N0_BAND))
+    assert at_100m == pytest.approx(11.63e6, rel=1e-3) and at_500m == pytest.approx(2.59e6, rel=1e-2)
+    assert shannon_rate(1e6, 1.0, 1e-12, 0.0, N0_BAND) == pytest.approx(at_100m, rel=1e-12)
     m = model(n=4, epochs=1, profile="wen_table2")
     p = m.links.params
     d = float(p["distance_m"][0])
     assert 100 <= d <= 500 and p["bandwidth_hz"][0] == 1e6 and p["power_dbm"][0] == 30.0
-    rate = 1e6 * math.log2(1 + 1.0 * (1e-4 * d ** -4) / (1e6 * N0_WEN))
+    rate = 1e6 * math.log2(1 + 1.0 * (1e-4 * d ** -4) / (1e6 * N0_BAND))
     assert m.uplink_bps[0] == pytest.approx(rate, rel=1e-9)
     assert m.downlink_bps[0] == pytest.approx(rate, rel=1e-9)  # the server: 1 MHz, 1 W too
     costs = m.round_costs([0], {0: 1_000_000}, {0: 1_000_000}, {0: 0}, 0)
     assert costs["t_up"] == pytest.approx(8e6 / rate) and costs["t_down"] == pytest.approx(8e6 / rate)
+    # the literal readings: -125 dBm/Hz as a density, with 30 dBm (57 bit/s at the median
+    # 300 m) and 30 W as printed (1.7 kbit/s there)
+    dbm = model(n=4, epochs=1, profile="wen_table2", wen_reading="density_dbm")
+    d = float(dbm.links.params["distance_m"][0])
+    assert dbm.uplink_bps[0] == pytest.approx(
+        1e6 * math.log2(1 + 1.0 * (1e-4 * d ** -4) / (1e6 * N0_WEN)), rel=1e-9)
+    assert 1e6 * math.log2(1 + 1e-4 * 300.0 ** -4 / (1e6 * N0_WEN)) == pytest.approx(56.3, rel=1e-2)
+    watts = model(n=4, epochs=1, profile="wen_table2", wen_reading="density_watts")
+    assert watts.links.params["power_dbm"][0] == pytest.approx(44.77)
+    assert 1e6 * math.log2(1 + 30.0 * 1e-4 * 300.0 ** -4 / (1e6 * N0_WEN)) == pytest.approx(1.69e3, rel=1e-2)
 
 
 def test_wen_table2_compute_is_epochs_cycles_bits_over_frequency():

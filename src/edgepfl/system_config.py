@@ -53,17 +53,29 @@ CYCLES_FIELDS = ("cpu_ghz", "cycles_per_bit", "data_mb")  # wen_table2's compute
 FLOPS_DEVICE_FIELDS = ("devices", "device_flops", "tiers")  # the FLOP/s compute model
 
 # Wen et al. (Hierarchical asynchronous FL for edge computing networks), Table 2: B = 1 MHz,
-# n_0 = -125 dBm/Hz, p_k = "30 W" (read as 30 dBm = 1 W; docs/system.md says why). The -125
-# dBm/Hz is taken as noise plus interference, so there is no separate interference draw.
-# Table 2 has no server power, distance or path loss: those are KAPC Table 4's (the class
-# defaults). A wen_table2 config carries these values in its fields, so its record (and
-# its JSON copy, compared on resume) states the channel that was simulated.
-WEN_TABLE2_LINK: dict[str, Any] = {
-    "client_bandwidth_mhz": [1.0, 1.0], "client_power_dbm": [30.0, 30.0],
-    "noise_dbm_per_hz": -125.0, "up_interference_mean": 0.0, "up_interference_std": 0.0,
+# n_0 = "-125 dBm/Hz", p_k = "30 W". Read literally the links run at bit/s to kbit/s, under
+# which Table 2's 5 MB block takes hours to days, not what a paper claiming communication
+# savings simulated; read as -125 dBm of noise over the 1 MHz band (N0 = -185 dBm/Hz) with
+# 30 dBm they run at 2.6-11.6 Mbit/s over 100-500 m. That is the default reading; the
+# literal ones are kept by name (docs/system.md). Table 2 has no server power, distance or
+# path loss: those are KAPC Table 4's (the class defaults). A wen_table2 config carries these
+# values in its fields, so its record (and its JSON copy, compared on resume) states the
+# channel that was simulated.
+_WEN_COMMON: dict[str, Any] = {
+    "client_bandwidth_mhz": [1.0, 1.0], "up_interference_mean": 0.0, "up_interference_std": 0.0,
     "down_interference_mean": 0.0, "down_interference_std": 0.0,
     "server_bandwidth_mhz": 1.0, "server_power_dbm": 30.0,
 }
+WEN_READINGS: dict[str, dict[str, Any]] = {
+    # -125 dBm of noise (plus interference) over the 1 MHz band; 30 dBm
+    "band_noise": {**_WEN_COMMON, "client_power_dbm": [30.0, 30.0], "noise_dbm_per_hz": -185.0},
+    # -125 dBm/Hz as a density; "30 W" as 30 dBm (1 W)
+    "density_dbm": {**_WEN_COMMON, "client_power_dbm": [30.0, 30.0], "noise_dbm_per_hz": -125.0},
+    # -125 dBm/Hz as a density; 30 W as printed (44.77 dBm)
+    "density_watts": {**_WEN_COMMON, "client_power_dbm": [44.77, 44.77],
+                      "noise_dbm_per_hz": -125.0},
+}
+WEN_TABLE2_LINK = WEN_READINGS["band_noise"]
 
 
 class SystemConfig(BaseModel):
@@ -119,6 +131,11 @@ class SystemConfig(BaseModel):
     server_flops: float = Field(1e11, gt=0, description="server compute speed, FLOP/s")
 
     # -- cycles-per-bit devices (profile wen_table2 only) --------------------------------
+    wen_reading: Literal["band_noise", "density_dbm", "density_watts"] = Field(
+        "band_noise", description="wen_table2: how Table 2's '-125 dBm/Hz' and '30 W' are read: "
+        "band_noise (-125 dBm of noise over the 1 MHz band, 30 dBm: 2.6-11.6 Mbit/s), "
+        "density_dbm (-125 dBm/Hz, 30 dBm: about 57 bit/s), density_watts (-125 dBm/Hz, "
+        "30 W: about 1.7 kbit/s)")
     cpu_ghz: Range = Field(
         [0.5, 1.0], description="wen_table2: client CPU frequency f_k, GHz, uniform in [lo, hi] "
         "(Wen et al. Table 2: f_k^max 0.5-1.0 GHz)")
@@ -180,7 +197,9 @@ class SystemConfig(BaseModel):
         """``wen_table2`` fills its channel values into the keys the run did not set (a key
         it did set must equal the profile's value: see ``_no_ignored_settings``)."""
         if isinstance(data, Mapping) and data.get("profile") == "wen_table2":
-            return {**copy.deepcopy(WEN_TABLE2_LINK), **data}
+            reading = data.get("wen_reading", "band_noise")
+            if reading in WEN_READINGS:  # else the field's own check names the valid ones
+                return {**copy.deepcopy(WEN_READINGS[reading]), **data}
         return data
 
     @model_validator(mode="after")
@@ -198,10 +217,15 @@ class SystemConfig(BaseModel):
         if self.profile == "kapc_table4" and (diff := changed(SHANNON_FIELDS)):
             raise ValueError(f"{diff}: profile 'kapc_table4' means KAPC Table 4 exactly; set "
                              "profile = 'custom' to simulate your own channel parameters")
-        if self.profile == "wen_table2" and (diff := changed(SHANNON_FIELDS, WEN_TABLE2_LINK)):
+        if self.profile == "wen_table2" and (
+                diff := changed(SHANNON_FIELDS, WEN_READINGS[self.wen_reading])):
             raise ValueError(f"{diff}: profile 'wen_table2' means Wen et al. Table 2's channel "
-                             "exactly (with KAPC Table 4's distances and path loss); set "
-                             "profile = 'custom' to simulate your own channel parameters")
+                             f"exactly (read as {self.wen_reading!r}, with KAPC Table 4's "
+                             "distances and path loss); set profile = 'custom' to simulate "
+                             "your own channel parameters")
+        if self.profile != "wen_table2" and self.wen_reading != "band_noise":
+            raise ValueError(f"wen_reading = {self.wen_reading!r}: applies only to profile = "
+                             f"'wen_table2', not to profile = {self.profile!r}")
         if self.profile == "fixed_rate" and (diff := changed(SHANNON_FIELDS)):
             raise ValueError(f"{diff}: applies only to the Shannon profiles 'kapc_table4', "
                              "'custom' and 'wen_table2', not to profile = 'fixed_rate'")

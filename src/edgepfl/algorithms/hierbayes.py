@@ -3,34 +3,38 @@ Federated Learning Algorithm for Edge Computing Networks"), with FedHB's choices
 the paper leaves open (Kim and Hospedales, "FedHB: Hierarchical Bayesian Federated
 Learning", 2023).
 
-The model (Eq. 6-17), per weight coordinate, with a diagonal-Gaussian family:
+The model (Eq. 6-17) with a diagonal-Gaussian family; each variance is shared by a layer's
+coordinates (``variance = "layer"``, the default) or held per coordinate:
 
     psi            ~ N(0, psi_prior_var)                           the cloud
     phi_k | psi    ~ N(psi, sigma_e^2),    sigma_e^2   ~ IG(a_p, b_p)    edge k
     theta_i | phi_k ~ N(phi_k, sigma_ck^2), sigma_ck^2 ~ IG(a_p, b_p)    client i of edge k
 
-and the mean-field posterior (Eq. 18-20) q_i(theta_i) = N(m_i, eps^2) with a small fixed
-spread eps (FedHB's client family), q(phi_k) = N(m_k, v_k), q(sigma_ck^2) = IG(a_k, b_k),
+with b_p / a_p = ``prior_scale`` times the layer's initial mean square, and the
+mean-field posterior (Eq. 18-20) q_i(theta_i) = N(m_i, eps^2) with a small fixed spread eps
+(FedHB's client family), q(phi_k) = N(m_k, v_k), q(sigma_ck^2) = IG(a_k, b_k),
 q(psi) = N(m_0, v_0), q(sigma_e^2) = IG(a_e, b_e). Blocks (Eq. 23-28, Algorithm 2):
 
 * client (Eq. 24): the expected KL to p(theta_i | phi_k) is, up to constants,
   lambda_k / 2 * ||m_i - m_k||^2 with lambda_k = E[1 / sigma_ck^2] = a_k / b_k, so local
   training on the data term gets a prior pull towards the edge mean whose strength is the
-  edge posterior's expected precision (learned, not a hand-set mu). The data term is the
-  whole data set's negative log-likelihood, i.e. n_i times the mean loss SGD sees, so the
-  pull per mean-loss step is lambda_k / n_i; it is taken as an implicit (proximal) step,
-  which stays stable however large the learned precision becomes.
-* edge (Eq. 25): closed-form coordinate ascent over q(phi_k) and q(sigma_ck^2) from its
-  clients' m_i and the cloud's (m_0, E[1/sigma_e^2]);
+  edge posterior's expected precision. The data term is the whole data set's negative
+  log-likelihood, n_i times the mean loss SGD sees, so the pull per mean-loss step is
+  lambda_k / n_i, taken as an implicit (proximal) step.
+* edge (Eq. 25, and Eq. 27 with its data term E[-log p(U_k | phi_k)] replaced by the bound
+  the clients' blocks give it: docs/algorithms.md): closed-form coordinate ascent over
+  q(phi_k) and q(sigma_ck^2) from its clients' m_i and the cloud's (m_0, E[1/sigma_e^2]);
 * cloud (Eq. 28): closed-form coordinate ascent over q(psi) and q(sigma_e^2) from the
-  edges' (m_k, v_k).
+  edges' (m_k, v_k). With one edge sigma_e^2 is not identifiable (one observation of a
+  spread): psi is phi_1 and the model is the flat two-level one.
 
 Prediction: global (Algorithm 3, Eq. 29-30) samples theta ~ N(m_0, v_0 + E[sigma_e^2] +
-E[sigma_c^2]) from the hierarchy and averages the predictive over ``mc_samples`` draws;
-personalized (Eq. 31-34) fits f(theta) = N(m_f, eps^2) to the client's own data under the
-prior p(theta | psi*) = N(m_0, E[sigma_e^2] + E[sigma_ck^2]) (Eq. 32-33) and averages the
-predictive over draws from f (Eq. 34); ``personalize = "edge"`` predicts with q_i itself
-(Eq. 31, no extra bytes). docs/algorithms.md has the derivation of every update.
+E[sigma_c^2]) and averages the predictive over ``mc_samples`` draws. Personalized
+(Algorithm 3, Eq. 31-34) fits f(theta) = N(m_f, eps^2) to the client's own data at test
+time under a prior and averages the predictive over draws from f: ``edge_posterior`` (the
+default) under its edge's N(m_k, E[sigma_ck^2]) as Algorithm 3 writes it, ``cloud`` under
+p(theta | psi*) = N(m_0, E[sigma_e^2] + E[sigma_c^2]) (Eq. 32-33); ``edge`` predicts with
+q_i itself (Eq. 31, no fit). docs/algorithms.md has the derivation of every update.
 """
 
 from __future__ import annotations
@@ -62,18 +66,24 @@ from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator
 
 MEAN, PREC, PSI, PRIOR, VAR = "mean.", "prec.", "psi.", "prior.", "var."
+EDGE_MEAN, EDGE_PRIOR = "edge_mean.", "edge_prior."
 
 
 class HierBayesHyperparameters(Hyperparameters):
     client_std: float = Field(
         1e-3, ge=0, description="eps: the fixed spread of each client's Gaussian posterior "
         "q_i = N(m_i, eps^2) (FedHB: small and fixed)")
-    prior_var: float = Field(
-        0.1, gt=0, description="prior mean of the client and edge variances sigma^2 (the "
-        "inverse-gamma priors' b_p / a_p): the pull strength 1/prior_var before data")
+    variance: Literal["layer", "coordinate"] = Field(
+        "layer", description="layer: one client and one edge variance per tensor, learned from "
+        "the spread of all its coordinates; coordinate: one per weight coordinate (the prior "
+        "then dominates: a coordinate's evidence is a handful of models)")
+    prior_scale: float = Field(
+        1.0, gt=0, description="the variance priors' mean, per tensor, as a multiple of that "
+        "tensor's initial mean square (a zero-initialised tensor takes the model's): "
+        "b_p / a_p = prior_scale * mean(w_init^2)")
     prior_strength: float = Field(
-        1.0, gt=0, description="a_p: pseudo-observations behind prior_var (small = the "
-        "variances are learned from the spread of the models)")
+        1.0, gt=0, description="a_p: pseudo-observations behind the prior variance (per "
+        "tensor with variance = layer, where the evidence is its coordinates x models)")
     psi_prior_var: float = Field(1e4, gt=0, description="p(psi) = N(0, psi_prior_var): "
                                  "effectively flat by default (a unit variance shrinks the "
                                  "global mean towards 0 by 20% a round on small federations)")
@@ -81,22 +91,35 @@ class HierBayesHyperparameters(Hyperparameters):
                              "block (mean <-> variance) per aggregation")
     mc_samples: int = Field(4, ge=1, description="Monte Carlo draws of the predictive (the "
                             "paper's Fig. 3 uses 100)")
-    personalize: Literal["cloud", "edge"] = Field(
-        "cloud", description="cloud: fit f(theta) ~ p(theta | D_i, psi*) (Eq. 32-33) on the "
-        "client's own training data at test time; edge: predict with its own q_i (Eq. 31)")
-    personal_epochs: int = Field(1, ge=1, description="epochs of the Eq. 33 fit (part of the "
-                                 "evaluation protocol, like the test itself: not round work)")
+    personalize: Literal["edge_posterior", "cloud", "edge"] = Field(
+        "edge_posterior", description="edge_posterior: fit f(theta) ~ p(theta | D_i, phi_k*) "
+        "under the client's edge posterior N(m_k, E[sigma_ck^2]) at test time (Algorithm 3); "
+        "cloud: the same fit under p(theta | psi*) (Eq. 32-33); edge: predict with the "
+        "client's own q_i (Eq. 31)")
+    global_level: Literal["edge", "client"] = Field(
+        "edge", description="what the global predictive samples: edge, an edge model phi ~ "
+        "N(m_0, v_0 + E[sigma_e^2]) (Eq. 30, the cloud's prediction); client, a client model "
+        "theta, adding E[sigma_c^2] (Algorithm 3's sampling line)")
+    personal_epochs: int = Field(1, ge=1, description="epochs of the test-time fit (part of "
+                                 "the evaluation protocol, like the test itself: not round work)")
     staleness_exponent: float = Field(
-        0.5, ge=0, description="topology.mode = async: an edge posterior s cloud periods old "
-        "enters the cloud block with weight (1 + s)^-a, as (1 + s)^-a observations")
+        0.5, ge=0, description="topology.mode = async (an extension beyond the paper): an edge "
+        "posterior s cloud periods old enters the cloud block with weight (1 + s)^-a")
+    client_var: Literal["learned", "fixed"] = Field(
+        "learned", description="learned: q_i's variance is Eq. 24's optimum for the Gaussian "
+        "family, s_i^2 = 1 / (n_i h + lambda_k) per tensor, h the mean loss's curvature "
+        "(empirical Fisher of the fit's batches), sent with m_i; fixed: s_i = client_std "
+        "(FedHB's choice, under which the learned variances collapse: docs/algorithms.md)")
     client_init: Literal["edge", "local"] = Field(
         "edge", description="where a client's m_i starts each round: the edge mean m_k, or its "
         "own last m_i (Algorithm 2, step 7 allows both)")
 
 
 # -- the closed-form blocks (pure functions of per-coordinate tensors) ---------------------
-def expected_var(a: float, b: torch.Tensor) -> torch.Tensor:
+def expected_var(a: float | torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """E[sigma^2] under IG(a, b) (its mode b / (a + 1) while the mean is infinite)."""
+    if isinstance(a, torch.Tensor):
+        return torch.where(a > 1, b / (a - 1).clamp_min(1e-300), b / (a + 1))
     return b / (a - 1) if a > 1 else b / (a + 1)
 
 
@@ -110,31 +133,106 @@ def gaussian_block(means: torch.Tensor, count: float, lam: torch.Tensor, prior_m
     return m, 1.0 / prec
 
 
-def gamma_block(sq: torch.Tensor, count: float, a_p: float, b_p: float) -> tuple[float, torch.Tensor]:
-    """argmin over q = IG(a, b) of sigma^2 of -sum_i E[log N(x_i; z, sigma^2)] +
-    KL(q || IG(a_p, b_p)), where ``sq`` is the mean over observations of E[(x_i - z)^2]."""
-    return a_p + count / 2, b_p + 0.5 * count * sq
+def gamma_block(sq: torch.Tensor, count: float, a_p: float, b_p: float | torch.Tensor,
+                dim: float | torch.Tensor = 1.0) -> tuple[float | torch.Tensor, torch.Tensor]:
+    """argmin over q = IG(a, b) of sigma^2 of -sum_i sum_j E[log N(x_ij; z_j, sigma^2)] +
+    KL(q || IG(a_p, b_p)) for ``count`` observations of ``dim`` coordinates sharing sigma^2,
+    where ``sq`` is the mean over observations and coordinates of E[(x_ij - z_j)^2]."""
+    return a_p + count * dim / 2, b_p + 0.5 * count * dim * sq
 
 
-def edge_update(uploads: torch.Tensor, size: float, eps: float, m0: torch.Tensor,
-                lam_e: torch.Tensor, a: float, b: torch.Tensor, a_p: float, b_p: float,
-                iters: int) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+class Layout:
+    """A level's per-coordinate vectors (float64, the model's parameters end to end) and which
+    coordinates share a variance: a tensor's (``per_layer``) or none."""
+
+    def __init__(self, init: State, names: list[str], per_layer: bool):
+        self.names, self.per_layer = names, per_layer
+        self.like = {n: init[n] for n in names}
+        sizes = torch.tensor([init[n].numel() for n in names])
+        self.sizes = sizes.double()
+        self.index = torch.repeat_interleave(torch.arange(len(names)), sizes)
+        # the coordinates sharing each coordinate's variance
+        self.dim: float | torch.Tensor = self.sizes[self.index] if per_layer else 1.0
+
+    def flat(self, model: State) -> torch.Tensor:
+        return torch.cat([model[n].reshape(-1).double() for n in self.names])
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """Each coordinate's value replaced by its tensor's mean when variances are shared."""
+        if not self.per_layer:
+            return x
+        sums = torch.zeros(len(self.names), dtype=x.dtype).index_add_(0, self.index, x)
+        return (sums / self.sizes)[self.index]
+
+    def prior_var(self, scale: float) -> torch.Tensor:
+        """b_p / a_p per coordinate: ``scale`` x its tensor's initial mean square."""
+        sq = self.flat(self.like) ** 2
+        mean_sq = torch.zeros(len(self.names), dtype=sq.dtype).index_add_(0, self.index, sq)
+        mean_sq = mean_sq / self.sizes
+        floor = float(sq.mean()) or 1.0  # zero-initialised tensors (biases) take the model's
+        return scale * torch.where(mean_sq > 0, mean_sq, torch.full_like(mean_sq, floor))[self.index]
+
+    def model(self, flat: torch.Tensor, prefix: str) -> State:
+        out, i = {}, 0
+        for n in self.names:
+            t = self.like[n]
+            out[prefix + n] = flat[i:i + t.numel()].reshape(t.shape).to(t.dtype)
+            i += t.numel()
+        return out
+
+    def shared(self, flat: torch.Tensor, prefix: str) -> State:
+        """A vector constant within each variance group, sent as one value per tensor when
+        variances are per layer (a model's worth of bytes otherwise)."""
+        if not self.per_layer:
+            return self.model(flat, prefix)
+        starts = torch.cumsum(self.sizes, 0).long() - self.sizes.long()
+        return {prefix + n: flat[int(starts[j])].reshape(1).to(self.like[n].dtype)
+                for j, n in enumerate(self.names)}
+
+    def read(self, msg: Message, prefix: str) -> torch.Tensor:
+        """The per-coordinate vector of ``prefix``'s entries: whole tensors, or one value per
+        tensor (expanded) for a vector ``shared`` sent."""
+        parts = _split(msg, prefix)
+        if set(parts) != set(self.names):
+            raise MessageError(f"message needs a {prefix!r} entry for every parameter; missing "
+                               f"{sorted(set(self.names) - set(parts))[:3]}, unexpected "
+                               f"{sorted(set(parts) - set(self.names))[:3]}")
+        return self.flat({n: _broadcast(n, parts[n], self.like[n]) for n in self.names})
+
+
+def _broadcast(name: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A parameter's entry at the parameter's shape: sent whole, or as one shared value."""
+    if value.shape == like.shape:
+        return value
+    if value.numel() == 1:
+        return value.reshape(()).expand(like.shape)
+    raise MessageError(f"entry {name!r} has shape {tuple(value.shape)}; expected "
+                       f"{tuple(like.shape)} or one shared value")
+
+
+def edge_update(uploads: torch.Tensor, size: float, eps: float | torch.Tensor, m0: torch.Tensor,
+                lam_e: torch.Tensor, a: float | torch.Tensor, b: torch.Tensor, a_p: float,
+                b_p: float | torch.Tensor, iters: int, layout: Layout | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor, torch.Tensor]:
     """Eq. 25: q(phi_k) and q(sigma_ck^2) from the uploaded client means (rows of
-    ``uploads``) standing for the edge's ``size`` clients. Returns (m_k, v_k, a_k, b_k)."""
+    ``uploads``) standing for the edge's ``size`` clients, whose posterior variances are
+    ``eps ** 2`` (a number, or the clients' mean per coordinate). Returns (m_k, v_k, a_k, b_k)."""
+    pool, dim = (layout.pool, layout.dim) if layout is not None else ((lambda x: x), 1.0)
     for _ in range(iters):
         m, v = gaussian_block(uploads, size, a / b, m0, lam_e)
         sq = ((uploads - m) ** 2).mean(0) + eps ** 2 + v
-        a, b = gamma_block(sq, size, a_p, b_p)
+        a, b = gamma_block(pool(sq), size, a_p, b_p, dim)
     return m, v, a, b
 
 
 def cloud_update(means: torch.Tensor, variances: torch.Tensor, psi_prior_var: float,
-                 a: float, b: torch.Tensor, a_p: float, b_p: float, iters: int,
-                 weights: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+                 a: float | torch.Tensor, b: torch.Tensor, a_p: float, b_p: float | torch.Tensor,
+                 iters: int, weights: torch.Tensor | None = None, layout: Layout | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor, torch.Tensor]:
     """Eq. 28: q(psi) and q(sigma_e^2) from the edges' posteriors N(m_k, v_k) (rows).
     ``weights`` (asynchronous edges: stale ones count as fractions of an observation)
     scale each edge's term in the objective. Returns (m_0, v_0, a_e, b_e)."""
+    pool, dim = (layout.pool, layout.dim) if layout is not None else ((lambda x: x), 1.0)
     count = means.shape[0] if weights is None else float(weights.sum())
     if weights is not None:
         w = (weights / weights.sum()).view(-1, *([1] * (means.dim() - 1))).to(means.dtype)
@@ -143,7 +241,7 @@ def cloud_update(means: torch.Tensor, variances: torch.Tensor, psi_prior_var: fl
         m, v = gaussian_block(centre, count, a / b, torch.zeros_like(means[0]), 1.0 / psi_prior_var)
         spread = (means - m) ** 2 + variances
         sq = (spread.mean(0) if weights is None else (w * spread).sum(0)) + v
-        a, b = gamma_block(sq, count, a_p, b_p)
+        a, b = gamma_block(pool(sq), count, a_p, b_p, dim)
     return m, v, a, b
 
 
@@ -165,40 +263,28 @@ def _split(msg: Message, prefix: str) -> State:
     return {k[len(prefix):]: v for k, v in msg.tensors.items() if k.startswith(prefix)}
 
 
-def _flat(model: State, names: list[str]) -> torch.Tensor:
-    return torch.cat([model[n].reshape(-1).double() for n in names])
+class _Level:
+    """What the cloud and an edge share: the layout of their vectors and the variance prior."""
 
+    ctx: ServerContext
+    hp: HierBayesHyperparameters
 
-def _unflat(flat: torch.Tensor, like: State, names: list[str]) -> State:
-    out, i = {}, 0
-    for n in names:
-        t = like[n]
-        out[n] = flat[i:i + t.numel()].reshape(t.shape).to(t.dtype)
-        i += t.numel()
-    return out
+    def _setup(self) -> None:
+        names = list(self.ctx.init_model)
+        self.layout = Layout(self.ctx.init_model, names, self.hp.variance == "layer")
+        self.a_p = self.hp.prior_strength
+        self.prior_var = self.layout.prior_var(self.hp.prior_scale)
+        self.b_p = self.a_p * self.prior_var
 
-
-def _prior(init: State, names: list[str], hp: HierBayesHyperparameters,
-           ) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
-    """A level's posterior before any data: mean at the initial model, variance prior_var,
-    and the inverse-gamma prior IG(a_p, b_p) of its children's variance."""
-    m = _flat(init, names)
-    return (m, torch.full_like(m, hp.prior_var), hp.prior_strength,
-            torch.full_like(m, hp.prior_strength * hp.prior_var))
+    def _prior(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A level's posterior before any data: mean at the initial model, variance the
+        prior's, and the inverse-gamma prior IG(a_p, b_p) of its children's variance."""
+        m = self.layout.flat(self.ctx.init_model)
+        return m, self.prior_var.clone(), torch.full_like(m, self.a_p), self.b_p.clone()
 
 
 # -- the three parts -------------------------------------------------------------------------
-class _Flat:
-    """A level's per-coordinate vectors as named tensors of the model's shapes."""
-
-    ctx: ServerContext
-    names: list[str]
-
-    def _model(self, flat: torch.Tensor, prefix: str) -> State:
-        return {prefix + k: v for k, v in _unflat(flat, self.ctx.init_model, self.names).items()}
-
-
-class HierBayesCloud(_Flat, Server):
+class HierBayesCloud(_Level, Server):
     state = ("m0", "v0", "a_e", "b_e", "var_c", "round")
 
     def __init__(self, ctx: ServerContext, hp: HierBayesHyperparameters):
@@ -207,14 +293,22 @@ class HierBayesCloud(_Flat, Server):
             raise ConfigError(f"hierbayes puts a Gaussian on every weight; model buffers "
                               f"{list(ctx.layers.buffers)} (BatchNorm) have no place in it: "
                               "choose a model without BatchNorm")
-        self.names = list(ctx.init_model)
-        self.m0, self.v0, self.a_e, self.b_e = _prior(ctx.init_model, self.names, hp)
+        self._setup()
+        self.m0, self.v0, self.a_e, self.b_e = self._prior()
         self.var_c = self.v0.clone()
         self.round = 0
+        # one edge: a spread of one observation identifies no sigma_e^2, psi is phi_1
+        self.single = ctx.federation is not None and ctx.federation.edges == 1
 
+    def edge_level(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E[1/sigma_e^2], E[sigma_e^2]); with one edge the flat prior and no spread."""
+        if self.single:
+            return torch.full_like(self.m0, 1.0 / self.hp.psi_prior_var), torch.zeros_like(self.m0)
+        return self.a_e / self.b_e, expected_var(self.a_e, self.b_e)
 
     def configure(self, rnd: int, edges: list[int]) -> dict[int, Message]:
-        msg = Message({**self._model(self.m0, PSI), **self._model(self.a_e / self.b_e, PREC)})
+        lam_e, _ = self.edge_level()
+        msg = Message({**self.layout.model(self.m0, PSI), **self.layout.shared(lam_e, PREC)})
         return {k: msg for k in edges}
 
     def aggregate(self, rnd: int, reports: dict[int, Message]) -> None:
@@ -224,13 +318,13 @@ class HierBayesCloud(_Flat, Server):
         means, variances, var_c, ages = [], [], [], []
         for k, report in reports.items():
             ages.append(staleness(k, report))
-            parts = [_split(report, p) for p in (MEAN, VAR, PRIOR)]
-            if any(set(part) != set(self.names) for part in parts):
-                raise MessageError(f"edge {k}'s report needs {MEAN}, {VAR} and {PRIOR} entries "
-                                   f"for every parameter")
-            means.append(_flat(parts[0], self.names))
-            variances.append(_flat(parts[1], self.names))
-            var_c.append(_flat(parts[2], self.names))
+            means.append(self.layout.read(report, MEAN))
+            variances.append(self.layout.read(report, VAR))
+            var_c.append(self.layout.read(report, PRIOR))
+        self.var_c = torch.stack(var_c).mean(0)
+        if self.single:
+            self.m0, self.v0 = means[0], variances[0]
+            return
         hp = self.hp
         weights = None
         if any(ages):
@@ -238,59 +332,79 @@ class HierBayesCloud(_Flat, Server):
                                    dtype=torch.float64)
         self.m0, self.v0, self.a_e, self.b_e = cloud_update(
             torch.stack(means), torch.stack(variances), hp.psi_prior_var, self.a_e, self.b_e,
-            hp.prior_strength, hp.prior_strength * hp.prior_var, hp.inner_iters, weights)
-        self.var_c = torch.stack(var_c).mean(0)
+            self.a_p, self.b_p, hp.inner_iters, weights, self.layout)
 
     def eval_message(self, cid: int) -> Message | None:
-        # the global predictive of Algorithm 3: theta ~ N(m_0, v_0 + E sigma_e^2 + E sigma_c^2)
-        var_e = expected_var(self.a_e, self.b_e)
-        spread = self.v0 + var_e + self.var_c
+        # the global predictive: phi ~ N(m_0, v_0 + E sigma_e^2) (Eq. 30), or a client's
+        # theta with E sigma_c^2 added (Algorithm 3's sampling line)
+        _, var_e = self.edge_level()
+        spread = self.v0 + var_e + (self.var_c if self.hp.global_level == "client" else 0.0)
         # p(theta | psi*) = N(m_0, E sigma_e^2 + E sigma_c^2): Eq. 32's prior for a client's
         # personalization (sigma_c^2 averaged over the edges: the client is judged as a new one)
-        return Message({**self._model(self.m0, PSI), **self._model(spread, VAR),
-                        **self._model(1.0 / (var_e + self.var_c), PRIOR)}, {"round": self.round})
+        return Message({**self.layout.model(self.m0, PSI), **self.layout.shared(spread, VAR),
+                        **self.layout.shared(1.0 / (var_e + self.var_c), PRIOR)},
+                       {"round": self.round})
 
     def round_metrics(self) -> dict[str, float]:
-        return {"edge_std": float(expected_var(self.a_e, self.b_e).sqrt().mean()),
-                "client_std": float(self.var_c.sqrt().mean())}
+        _, var_e = self.edge_level()
+        return {"edge_std": float(var_e.sqrt().mean()),
+                "client_std": float(self.var_c.sqrt().mean()),
+                # the pull a client's mean loss meets, per sample of its data (lambda_k)
+                "client_prec": float((1.0 / self.var_c).mean())}
 
 
-class HierBayesEdge(_Flat, Edge):
+class HierBayesEdge(_Level, Edge):
     state = ("m", "v", "a", "b", "refreshed")
 
     def __init__(self, ctx: EdgeContext, hp: HierBayesHyperparameters):
         super().__init__(ctx, hp)
-        self.names = list(ctx.init_model)
-        self.m, self.v, self.a, self.b = _prior(ctx.init_model, self.names, hp)
+        self._setup()
+        self.m, self.v, self.a, self.b = self._prior()
         self.m0, self.lam_e = self.m.clone(), 1.0 / self.v
         self.refreshed = 0  # the cloud round of its last aggregation of its clients
 
-
     def receive(self, rnd: int, msg: Message) -> None:
-        self.m0, self.lam_e = (_flat(_split(msg, p), self.names) for p in (PSI, PREC))
+        self.m0, self.lam_e = self.layout.read(msg, PSI), self.layout.read(msg, PREC)
 
     def configure(self, rnd: int, step: int, selected: list[int]) -> dict[int, Message]:
-        msg = Message({**self._model(self.m, MEAN), **self._model(self.a / self.b, PREC)})
+        msg = Message({**self.layout.model(self.m, MEAN), **self.layout.shared(self.a / self.b, PREC)})
         return {cid: msg for cid in selected}
 
     def aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None:
-        uploads = [_flat(reply.tensors, self.names) for reply in replies.values()]
-        if not uploads:
+        if not replies:
             return
         hp = self.hp
+        uploads = torch.stack([self.layout.flat(r.tensors) for r in replies.values()])
+        eps: float | torch.Tensor = hp.client_std
+        if hp.client_var == "learned":
+            eps = torch.stack([self.layout.read(r, VAR) for r in replies.values()]).mean(0).sqrt()
         # the replies stand for all the edge's clients (Algorithm 2, step 10: N / N_f)
         self.m, self.v, self.a, self.b = edge_update(
-            torch.stack(uploads), len(self.ctx.members), hp.client_std, self.m0, self.lam_e,
-            self.a, self.b, hp.prior_strength, hp.prior_strength * hp.prior_var, hp.inner_iters)
+            uploads, len(self.ctx.members), eps, self.m0, self.lam_e,
+            self.a, self.b, self.a_p, self.b_p, hp.inner_iters, self.layout)
         self.refreshed = rnd
 
     def check_reply(self, cid: int, reply: Message) -> None:
-        check_model_reply(cid, reply, self.ctx.init_model)  # its posterior mean m_i
+        # its posterior mean m_i, and with learned variances s_i^2 (positive, finite)
+        model = {k: v for k, v in reply.tensors.items() if not k.startswith(VAR)}
+        check_model_reply(cid, Message(model, reply.meta), self.ctx.init_model)
+        if self.hp.client_var == "learned":
+            var = self.layout.read(reply, VAR)
+            if not bool((var > 0).all()):
+                raise MessageError(f"client {cid}'s posterior variances {VAR!r} must be positive")
 
     def report(self, rnd: int) -> Message:
         meta = {STALENESS: rnd - self.refreshed} if rnd > self.refreshed else {}
-        return Message({**self._model(self.m, MEAN), **self._model(self.v, VAR),
-                        **self._model(expected_var(self.a, self.b), PRIOR)}, meta)
+        return Message({**self.layout.model(self.m, MEAN), **self.layout.shared(self.v, VAR),
+                        **self.layout.shared(expected_var(self.a, self.b), PRIOR)}, meta)
+
+    def eval_message(self, cid: int) -> Message | None:
+        """Algorithm 3's personalization prior, p(theta | phi_k*) = N(m_k, E[sigma_ck^2]),
+        beside the cloud's evaluation message."""
+        if self.hp.personalize != "edge_posterior":
+            return None
+        return Message({**self.layout.model(self.m, EDGE_MEAN),
+                        **self.layout.shared(1.0 / expected_var(self.a, self.b), EDGE_PRIOR)})
 
 
 class HierBayesClient(Client):
@@ -301,27 +415,60 @@ class HierBayesClient(Client):
     def init_state(self, cid: int, init_model: State) -> State:
         return model_to_state(init_model)
 
+    def _entries(self, msg: Message, prefix: str, like: State) -> State:
+        part = _split(msg, prefix)
+        if set(part) != set(self.names):
+            raise MessageError(f"hierbayes message lacks {prefix!r} entries for the model's "
+                               "parameters")
+        return {k: _broadcast(k, part[k], like[k]) for k in self.names}
+
     def _pulled_fit(self, data: ClientData, gen: torch.Generator, start: State, anchor: State,
-                    prec: State, epochs: int) -> tuple[State, dict[str, float]]:
-        """SGD from ``start`` on the mean loss + prec / (2 n) ||w - anchor||^2 (Eq. 24, 33)."""
+                    prec: State, epochs: int, curvature: list[torch.Tensor] | None = None,
+                    ) -> tuple[State, dict[str, float]]:
+        """SGD from ``start`` on the mean loss + prec / (2 n) ||w - anchor||^2 (Eq. 24, 33).
+        ``curvature`` collects each step's squared gradient norm per tensor, before the pull."""
         n = max(data.n, 1)
         t = self.ctx.train
         self.trainer.load(start)
         place = self.trainer.place
-        hook = proximal_pull(t.lr, place([prec[k] / n for k in self.names]),
+        pull = proximal_pull(t.lr, place([(prec[k] / n).contiguous() for k in self.names]),
                              place([anchor[k] for k in self.names]))
+        hook = pull
+        if curvature is not None:
+            def hook(params, grads):
+                curvature.append(torch.stack(torch._foreach_norm(grads)).double().cpu() ** 2)
+                pull(params, grads)
         stats = self.trainer.fit(data, epochs, t.batch_size, t.lr, gen, momentum=t.momentum,
                                  weight_decay=t.weight_decay, grad_hook=hook)
         return self.trainer.export(), stats
 
+    def _posterior_var(self, data: ClientData, curvature: list[torch.Tensor], prec: State,
+                       like: State) -> State:
+        """Eq. 24's optimal variance of q_i = N(m_i, s^2) per tensor under the delta method:
+        s^2 = 1 / (n h + lambda), h the mean loss's mean diagonal curvature over the tensor,
+        estimated by the empirical Fisher: batch size x the mean squared batch gradient."""
+        n = max(data.n, 1)
+        sq = torch.stack(curvature).mean(0) if curvature else torch.zeros(len(self.names))
+        out = {}
+        for j, k in enumerate(self.names):
+            h = float(sq[j]) * min(self.ctx.train.batch_size, n) / like[k].numel()
+            out[VAR + k] = (1.0 / (n * h + prec[k].double())).to(like[k].dtype)
+        return out
+
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
-        edge_mean, prec = _split(msg, MEAN), _split(msg, PREC)
-        if set(edge_mean) != set(self.names) or set(prec) != set(self.names):
-            raise MessageError(f"hierbayes message lacks {MEAN} / {PREC} for the model's parameters")
+        edge_mean = _split(msg, MEAN)
+        if set(edge_mean) != set(self.names):
+            raise MessageError(f"hierbayes message lacks {MEAN!r} entries for the model's parameters")
+        prec = self._entries(msg, PREC, edge_mean)
         start = model_from_state(state) if self.hp.client_init == "local" else edge_mean
-        m_i, stats = self._pulled_fit(data, gen, start, edge_mean, prec, self.ctx.train.local_epochs)
-        return UpdateResult(Message(m_i, {"num_samples": data.n}), model_to_state(m_i), stats)
+        curvature: list[torch.Tensor] | None = [] if self.hp.client_var == "learned" else None
+        m_i, stats = self._pulled_fit(data, gen, start, edge_mean, prec,
+                                      self.ctx.train.local_epochs, curvature)
+        reply = dict(m_i)
+        if curvature is not None:
+            reply.update(self._posterior_var(data, curvature, _split(msg, PREC), edge_mean))
+        return UpdateResult(Message(reply, {"num_samples": data.n}), model_to_state(m_i), stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         """q_i's mean, the client's own posterior (Eq. 31)."""
@@ -332,16 +479,22 @@ class HierBayesClient(Client):
         hp = self.hp
         rnd = eval_msg.meta.get("round", 0) if eval_msg is not None else 0
         mean = self.personal_model(state, eval_msg)
-        if hp.personalize == "cloud" and eval_msg is not None and rnd > 0:
-            # Eq. 32-33: f(theta) ~ p(theta | D_i, psi*), fitted on the client's own data at
-            # test time from the current psi* (so a client not selected lately is not
-            # judged by a stale fit), starting at m_0 under the marginal prior
-            psi, prior = _split(eval_msg, PSI), _split(eval_msg, PRIOR)
+        if hp.personalize != "edge" and eval_msg is not None and rnd > 0:
+            # Algorithm 3 / Eq. 33: f(theta) ~ p(theta | D_i, prior), fitted on the client's own
+            # data at test time from the current prior (so a client not selected lately is not
+            # judged by a stale fit), starting at the prior's mean
+            mean_key, prior_key = ((EDGE_MEAN, EDGE_PRIOR) if hp.personalize == "edge_posterior"
+                                   else (PSI, PRIOR))
+            anchor = _split(eval_msg, mean_key)
+            if set(anchor) != set(self.names):
+                raise MessageError(f"hierbayes evaluation message lacks {mean_key!r} entries")
+            prior = self._entries(eval_msg, prior_key, anchor)
             mean, _ = self._pulled_fit(data, generator(self.ctx.seed, "personalize", rnd, cid),
-                                       psi, psi, prior, hp.personal_epochs)
+                                       anchor, anchor, prior, hp.personal_epochs)
         out = {"": self._draws(mean, None, hp.client_std, generator(self.ctx.seed, "mc", rnd))}
         if eval_msg is not None:
-            psi, var = _split(eval_msg, PSI), _split(eval_msg, VAR)
+            psi = _split(eval_msg, PSI)
+            var = self._entries(eval_msg, VAR, psi)
             # one global predictive for every client: the same draws everywhere
             out["global"] = self._draws(psi, var, 0.0, generator(self.ctx.seed, "mc-global", rnd))
             # and the posterior mean psi* alone, to show what the sampling spread costs

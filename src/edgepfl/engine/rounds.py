@@ -541,12 +541,16 @@ class Rounds:
         return row, losses
 
     def eval_message(self, cid: int) -> Message | None:
+        """The cloud's evaluation message, with what the client's edge adds to it (an edge's
+        entries win where both name one)."""
+        msg = self.server.eval_message(cid)
         parent = self.federation.parent[cid]
-        if parent != CLOUD:
-            msg = self.edges[parent].eval_message(cid)
-            if msg is not None:
-                return msg
-        return self.server.eval_message(cid)
+        edge = self.edges[parent].eval_message(cid) if parent != CLOUD else None
+        if edge is None:
+            return msg
+        if msg is None:
+            return edge
+        return Message({**msg.tensors, **edge.tensors}, {**msg.meta, **edge.meta})
 
     def evaluate(self, rnd: int) -> dict:
         """Every client's personalized model on its own test split."""
