@@ -35,7 +35,7 @@ def label(run_name: str) -> str:
     name = run_name.replace("+topology.edges=2+topology.edge_rounds=2", " (2 edges, k2=2)")
     name = name.replace("+topology.edges=1+topology.edge_rounds=2", " flat (1 edge, k2=2)")
     name = re.sub(r"\+topology\.edges=(\d+)", r" (K = \1 edges)", name)
-    return name.replace("+topology.mode=async", " async")
+    return name.replace("+topology.mode=async", " async (extension beyond the paper)")
 
 
 def order(run_name: str) -> tuple:

@@ -25,6 +25,8 @@
 #   JOBS=2         runs two at a time
 #   OUT=dir        root folder (default runs/hmpl)
 #   DECAY=exponential  the decay's form, linear or cosine (the paper says only "from 0.01 to 0.001")
+#   HORIZON=       train.lr_decay_rounds: the rounds the decay spreads over (default ROUNDS;
+#                  HORIZON=800 runs the beginning of the paper's 800-round schedule)
 #   PATIENCE=20    train.early_stopping, evaluated rounds without a gain (0: off; the paper gives none)
 #   DELTA=0        train.early_stopping_delta
 #   EPOCHS=1       local epochs per round (the paper states E = 1, for FedProx)
@@ -41,7 +43,8 @@
 # Participation 0.1667 of 60 clients is round(10.002) = 10 a round. Runs go seed-major into
 # OUT/<dataset>-<arbitrary|regular>-r<rounds>/<algorithm>-seed<k>; finished runs (early
 # stopped ones included) are skipped, interrupted ones resumed (bench/run_one.sh). A run
-# whose decay spreads over ROUNDS cannot be extended to more rounds: start a new grid.
+# whose decay spreads over ROUNDS cannot be extended to more rounds: start a new grid (one
+# with HORIZON set can be).
 # Collect with: python bench/collect_hmpl.py OUT > table.md
 set -euo pipefail
 rounds=${1:?usage: bench/hmpl_tables.sh ROUNDS [DATASETS] [TABLES] [SEEDS] [ALGORITHMS]}
@@ -57,6 +60,7 @@ protocol+=" train.lr_final=0.001 train.early_stopping=${PATIENCE:-20}"
 protocol+=" train.early_stopping_delta=${DELTA:-0} train.local_epochs=${EPOCHS:-1}"
 protocol+=" train.rounds=$rounds eval.every=${EVERY:-1} dataset.fraction=${FRACTION:-1}"
 protocol+=" system.devices=tiers"
+[[ -z ${HORIZON:-} ]] || protocol+=" train.lr_decay_rounds=$HORIZON"
 for seed in $seeds; do
   for ds in $datasets; do
     for table in $tables; do

@@ -5,7 +5,9 @@
 Every finished ``hmpl`` run under the roots whose tiers were ranked over all clients
 (``algorithm.first_round = all``; runs from before the setting ranked round 1's sample
 only and are left out, with a note) is grouped by (data set, image sizes, rounds,
-``algorithm.tier_ratio``), whatever grid folder it sits in, so that the default 3:4:3 cell
+``algorithm.generation``, ``algorithm.rank_by``, ``train.lr_decay_rounds``,
+``algorithm.tier_ratio``; runs from before the middle three were ``random``, ``round``
+and the run's rounds), whatever grid folder it sits in, so that the default 3:4:3 cell
 of the tables and a tagged grid cell of the same ratio are seeds of one cell. The paper's
 grid is Com 10-50% by Ord 40-60% (Sup the rest); other ratios found are listed too.
 
@@ -31,7 +33,8 @@ ORD = (0.4, 0.5, 0.6)
 
 
 def cells(roots: list[Path]) -> tuple[dict, int]:
-    """{(data set, image sizes, rounds): {tier_ratio: [(run, summary), ...]}} and the
+    """{(data set, image sizes, rounds, generation, rank_by, decay horizon): {tier_ratio:
+    [(run, summary), ...]}} and the
     number of hmpl runs left out because they ranked round 1's sample only."""
     out: dict = {}
     skipped = 0
@@ -47,8 +50,10 @@ def cells(roots: list[Path]) -> tuple[dict, int]:
                     continue
                 summary = json.loads((run / "summary.json").read_text())
                 sizes = "arbitrary" if cfg["dataset"]["aspect_ratios"] else "regular"
-                key = (cfg["dataset"]["name"], sizes, summary.get("rounds_planned",
-                                                                  summary["rounds"]))
+                rounds = summary.get("rounds_planned", summary["rounds"])
+                # runs of other generations, rankings or rate schedules are no seeds of a cell
+                key = (cfg["dataset"]["name"], sizes, rounds, algo["generation"],
+                       algo["rank_by"], cfg["train"].get("lr_decay_rounds") or rounds)
                 ratio = tuple(round(float(r), 2) for r in algo["tier_ratio"])
                 out.setdefault(key, {}).setdefault(ratio, []).append((run, summary))
     return out, skipped
@@ -75,8 +80,9 @@ def matrix(grid: dict, figure) -> list[str]:
 
 def main(roots: list[Path]) -> None:
     found, skipped = cells(roots)
-    for (dataset, sizes, rounds), grid in sorted(found.items()):
-        print(f"### {dataset}, {sizes} image sizes, {rounds} rounds\n")
+    for (dataset, sizes, rounds, generation, rank_by, horizon), grid in sorted(found.items()):
+        print(f"### {dataset}, {sizes} image sizes, {rounds} rounds (generation = {generation}, "
+              f"rank_by = {rank_by}, rate decay over {horizon} rounds)\n")
         print("Clients' mean accuracy, best round (mean over seeds; seeds in brackets):\n")
         print("\n".join(matrix(grid, lambda s: s["acc_mean_best"])) + "\n")
         print("Aggregated Ord model, final, all clients' test splits (Fig. 9's global "

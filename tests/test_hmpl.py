@@ -119,8 +119,15 @@ def test_round_one_times_split_the_clients_3_4_3_slowest_to_com_ties_by_id():
     down = server.configure(2, list(range(10)))
     assert down[4].meta == {"tier": "com"} and down[1].meta == {"tier": "sup", "depth": 1}
     assert down[0].meta == {}  # keep: an Ord round is FedAvg's message
-    assert "conv3.weight" not in down[4].tensors and "cp_merge.weight" in down[1].tensors
+    assert "cp_merge.weight" in down[1].tensors
     assert set(down[0].tensors) == set(tier_params(ORD, (1, 10)))
+    # the Com model lacks conv3, but until a reply on it arrives its message carries the
+    # Ord model's conv3, which generation = preserve derives ip_align from
+    com = set(server.model_for(COM))
+    assert "conv3.weight" not in com
+    assert set(down[4].tensors) == com | {"conv3.weight", "conv3.bias"}
+    server.aligned[4] = True
+    assert set(server.configure(3, [4])[4].tensors) == com
 
 
 def test_a_client_first_timed_later_gets_its_tier_from_the_thresholds():
@@ -172,7 +179,8 @@ def _empty(data: ClientData) -> ClientData:
 
 
 def test_the_client_shrinks_grows_and_keeps_its_ip_layers_as_told():
-    sim = _sim(*HMPL)
+    # random: each client's own draw (generation is tested below)
+    sim = _sim(*HMPL, "algorithm.generation=random")
     client: HMPLClient = sim.client
     server = sim.server
     data = _empty(sim.train_data[0])  # no step: what is loaded is what comes out
@@ -210,8 +218,9 @@ def test_the_client_shrinks_grows_and_keeps_its_ip_layers_as_told():
 
 # -- aggregation ----------------------------------------------------------------------------
 def _replies(server, values: dict[int, float], weights: dict[int, int]) -> dict[int, Message]:
-    down = server.configure(2, sorted(values))
-    return {c: Message({n: torch.full_like(t, values[c]) for n, t in down[c].tensors.items()},
+    server.configure(2, sorted(values))
+    return {c: Message({n: torch.full_like(t, values[c])
+                        for n, t in server.model_for(server.stage_of(c)).items()},
                        {"num_samples": weights[c]}) for c in values}
 
 
@@ -502,3 +511,169 @@ def test_hmpl_s_on_flower_equals_the_simulation_and_hmpl_tiers_by_measured_time(
     # and reports each tier's accuracy as the simulation does (one client each here)
     for t in ("com", "ord", "sup"):
         assert 0 <= last[f"acc_mean_{t}"] <= 1
+
+
+# -- generation of the tier models (algorithm.generation) -----------------------------------
+def _told(server, stage: int, cids) -> dict[int, Message]:
+    """The server's messages telling ``cids`` to hold ``stage``."""
+    server.tiers = ["com" if stage == COM else "sup"] * len(server.tiers)
+    server.depths = [max(stage, 0)] * len(server.tiers)
+    return server.configure(2, list(cids))
+
+
+def _generated(mode: str, stage: int, cids=(0, 1, 2)) -> tuple[Simulation, dict[int, dict]]:
+    """Each of ``cids``' state right after it turned from Ord into ``stage`` (no SGD step:
+    its data is empty)."""
+    sim = _sim(*HMPL, f"algorithm.generation={mode}")
+    down = _told(sim.server, stage, cids)
+    gen = torch.Generator()
+    states = {c: sim.client.update(c, down[c], sim.client.init_state(c, {}),
+                                   _empty(sim.train_data[c]), gen).state for c in cids}
+    return sim, states
+
+
+def _tier_module(sim: Simulation, stage: int, state: dict) -> torch.nn.Module:
+    model = build_model(stage_model(stage), (1, 28, 28), 10)
+    model.load_state_dict(sim.client.tier_model(stage, state, sim.server.eval_message(0)))
+    return model.eval()
+
+
+def _ord_module(sim: Simulation) -> torch.nn.Module:
+    return _tier_module(sim, ORD, {})
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_generated_sup_model_computes_the_ord_model_exactly_where_its_shape_allows(depth):
+    sim, states = _generated("preserve", depth)
+    sup, ordinary = _tier_module(sim, depth, states[0]), _ord_module(sim)
+    assert torch.equal(sim.server.shared["cp_merge.bias"], torch.zeros(256))
+    # sides divisible by 8: every 2x upsampled map is its lower neighbour's size, no crop
+    x = torch.rand(5, 1, 16, 24)
+    with torch.no_grad():
+        assert torch.equal(sup(x), ordinary(x))
+        # with odd sides (28 -> 14 -> 7 -> 4) the crop moves SPP bin edges: near, not equal
+        x = torch.rand(5, 1, 28, 28)
+        assert torch.allclose(sup(x), ordinary(x), atol=0.05)
+
+
+def test_a_generated_com_model_aligns_conv2_as_conv3_would_on_a_constant_window():
+    sim, states = _generated("preserve", COM)
+    conv3 = {n: sim.server.shared[n] for n in ("conv3.weight", "conv3.bias")}
+    weight, bias = states[0]["ip_align.weight"], states[0]["ip_align.bias"]
+    assert torch.equal(weight, conv3["conv3.weight"].sum((2, 3), keepdim=True))
+    assert torch.equal(bias, conv3["conv3.bias"])
+    # a 1x1 convolution equals a 3x3 one exactly where its window sees one value per
+    # channel: the interior of a map constant per channel
+    level = torch.rand(2, 128, 1, 1).expand(2, 128, 5, 5)
+    aligned = torch.nn.functional.conv2d(level, weight, bias)
+    full = torch.nn.functional.conv2d(level, conv3["conv3.weight"], conv3["conv3.bias"], padding=1)
+    torch.testing.assert_close(aligned[..., 1:4, 1:4], full[..., 1:4, 1:4], rtol=1e-5, atol=1e-6)
+    # the model, on whole images: nearer the Ord model than a Com model drawn at random
+    x = torch.rand(8, 1, 28, 28)
+    rand_sim, rand_states = _generated("random", COM)
+    with torch.no_grad():
+        near = (_tier_module(sim, COM, states[0])(x) - _ord_module(sim)(x)).abs().mean()
+        far = (_tier_module(rand_sim, COM, rand_states[0])(x) - _ord_module(rand_sim)(x)).abs().mean()
+    assert near < far / 2
+
+
+@pytest.mark.parametrize("stage", [COM, 1, 2])
+@pytest.mark.parametrize("mode", ["preserve", "shared", "random"])
+def test_every_client_of_a_tier_starts_with_the_same_added_layers_but_under_random(mode, stage):
+    _, states = _generated(mode, stage)
+    added = [n for n in states[0] if n != STAGE]
+    assert added and all(layer_role(n) == "ip" for n in added)
+    same = [all(torch.equal(states[c][n], states[0][n]) for n in added) for c in (1, 2)]
+    assert same == ([False, False] if mode == "random" else [True, True])
+    if mode != "preserve":  # a seeded draw, the same again
+        assert all(torch.equal(_generated(mode, stage)[1][0][n], states[0][n]) for n in added)
+
+
+def test_preserve_sends_conv3_until_the_com_reply_arrives_and_needs_it_to_shrink():
+    sim, _ = _generated("preserve", COM, cids=(0,))
+    server, client = sim.server, sim.client
+    data, gen = _empty(sim.train_data[0]), torch.Generator()
+    down = server.configure(2, [0, 1])
+    assert "conv3.weight" in down[0].tensors
+    without = Message({n: t for n, t in down[0].tensors.items() if not n.startswith("conv3")},
+                      down[0].meta)
+    with pytest.raises(MessageError, match="derives ip_align from the Ord model's"):
+        client.update(0, without, client.init_state(0, {}), data, gen)
+    done = client.update(0, down[0], client.init_state(0, {}), data, gen)
+    server.aggregate(2, {0: done.reply})
+    assert server.aligned[0] and not server.aligned[1]
+    after = server.configure(3, [0, 1])
+    assert "conv3.weight" not in after[0].tensors and "conv3.weight" in after[1].tensors
+    # a client that shrank already takes either message and keeps its aligner
+    for msg in (down[0], after[0]):
+        again = client.update(0, msg, done.state, data, gen).state
+        assert torch.equal(again["ip_align.weight"], done.state["ip_align.weight"])
+    # the server's record of it is state, kept across a checkpoint
+    assert "aligned" in server.state
+    assert "aligned" not in _sim(*HMPL, "algorithm.generation=shared").server.state
+
+
+def test_a_run_from_before_generation_and_rank_by_existed_is_read_as_random_by_round():
+    from edgepfl.config import comparable
+
+    stored = resolve(fast_config(*HMPL)).model_dump()
+    for key in ("generation", "rank_by"):
+        del stored["algorithm"][key]
+    old = comparable(stored)["algorithm"]
+    assert (old["generation"], old["rank_by"]) == ("random", "round")
+    new = comparable(resolve(fast_config(*HMPL)).model_dump())["algorithm"]
+    assert (new["generation"], new["rank_by"]) == ("preserve", "compute")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ([*HMPL, "algorithm.generation=ord"], r"generation.*'preserve', 'shared' or 'random'"),
+    ([*HMPL, "algorithm.rank_by=link"], r"rank_by.*'compute' or 'round'"),
+])
+def test_bad_generation_or_rank_by_is_refused_naming_the_choices(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        Simulation(fast_config(*overrides), progress=False)
+
+
+# -- tiers by device compute (algorithm.rank_by) --------------------------------------------
+def test_compute_ranking_follows_the_device_and_growth_the_same_measure():
+    # client 1 computes fastest but has the slowest link; client 4 the reverse
+    compute = dict(enumerate(TIMES))
+    rounds = {c: t + (100.0 if c == 1 else 0.0) - (8.0 if c == 4 else 0.0) for c, t in compute.items()}
+    tiers = {}
+    for rank_by in ("compute", "round"):
+        sim = _sim(*HMPL, f"algorithm.rank_by={rank_by}", clients=10)
+        server = sim.server
+        server.configure(1, list(range(10)))
+        server.observe_times(1, rounds, compute=compute)
+        tiers[rank_by] = list(server.tiers)
+        if rank_by == "compute":
+            assert server.thresholds == {"lower": 3.0, "upper": 6.0}  # of compute times
+            # growth on compute too: a Sup model with a slow round but quick training grows
+            server.configure(2, [1])
+            server.observe_times(2, {1: 50.0}, compute={1: 1.0})
+            assert server.depths[1] == 2
+            # a Com model's round time is still what its cost figures report
+            server.configure(3, [4])
+            server.observe_times(3, {4: 7.5}, compute={4: 9.0})
+            assert server.round_metrics()["time_com"] == 7.5
+    assert tiers["compute"][1] == "sup" and tiers["round"][1] == "com"
+    assert tiers["compute"][4] == "com" and tiers["round"][4] == "sup"
+
+
+def test_in_a_run_the_tiers_follow_device_compute_not_a_slow_link():
+    def ranked(rank_by: str, slow: int | None = None):
+        sim = _sim(*HMPL, f"algorithm.rank_by={rank_by}", "train.rounds=1", clients=10)
+        if slow is not None:  # far slower than any link of the system model
+            sim.rounds.system.links.uplink_bps[slow] = 1e3
+        sim.step()
+        return sim.server
+
+    plain = ranked("compute")
+    fastest = min(range(10), key=lambda c: (plain.times[c], c))
+    assert plain.tiers[fastest] == "sup"
+    slowed = ranked("compute", fastest)
+    # the link is no part of a compute time: the same times, the same tiers
+    assert slowed.times == plain.times and slowed.tiers == plain.tiers
+    by_round = ranked("round", fastest)
+    assert by_round.tiers[fastest] == "com"
+    assert all(r > c for r, c in zip(by_round.times, plain.times, strict=True))

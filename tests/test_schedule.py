@@ -55,7 +55,44 @@ def test_a_hierarchy_decays_over_its_client_steps_rounds_times_edge_rounds():
     assert step_lr(cfg, ("async", 2, 3)) == steps[3]
 
 
+@pytest.mark.parametrize("decay", DECAYS)
+def test_a_horizon_of_h_rounds_gives_round_r_the_rate_of_the_h_round_schedule(decay):
+    sets = ("train.lr=0.01", f"train.lr_decay={decay}", "train.lr_final=0.001")
+    cfg = fast_config("train.rounds=10", *sets, "train.lr_decay_rounds=800")
+    t = cfg.train
+    assert [round_lr(cfg, r) for r in range(1, 11)] == [client_lr(t, r, 800) for r in range(1, 11)]
+    assert round_lr(cfg, 10) > 0.009  # the beginning of the long schedule, not its end
+    # a horizon under the run's rounds reaches lr_final there and stays
+    short = fast_config("train.rounds=10", *sets, "train.lr_decay_rounds=4")
+    assert [round_lr(short, r) for r in range(1, 11)] == \
+        [client_lr(t, r, 4) for r in range(1, 5)] + [0.001] * 6
+    # the default horizon is the run's rounds, as before the setting existed
+    default = fast_config("train.rounds=10", *sets)
+    assert default.train.lr_decay_rounds is None
+    assert [round_lr(default, r) for r in range(1, 11)] == \
+        [round_lr(fast_config("train.rounds=10", *sets, "train.lr_decay_rounds=10"), r)
+         for r in range(1, 11)] == [client_lr(t, r, 10) for r in range(1, 11)]
+    # a hierarchy: H rounds of k2 edge rounds each
+    tree = fast_config("train.rounds=3", "topology.edges=2", "topology.edge_rounds=2", *sets,
+                       "train.lr_decay_rounds=5")
+    assert [step_lr(tree, s) for s in range(1, 7)] == [client_lr(t, s, 10) for s in range(1, 7)]
+
+
+def test_clients_train_at_the_rate_of_the_horizons_schedule_and_a_run_with_one_extends(tmp_path):
+    sets = ("train.lr_decay=linear", "train.lr_final=0.01", "train.lr_decay_rounds=5")  # lr 0.05
+    sim = Simulation(fast_config("train.rounds=2", *sets), tmp_path, progress=False)
+    seen = _record_rates(sim)
+    sim.run()
+    assert seen == pytest.approx([0.05] * 6 + [0.04] * 6, rel=1e-12)
+    # its rates do not depend on train.rounds, so it may be extended
+    longer = resume_run(tmp_path, fast_config("train.rounds=3", *sets), progress=False)
+    assert [r["lr"] for r in longer.metrics] == pytest.approx([0.05, 0.04, 0.03], rel=1e-12)
+
+
 @pytest.mark.parametrize("overrides,match", [
+    (["train.lr_decay_rounds=30"], r"train.lr_decay_rounds = 30 is only read with a decay"),
+    (["train.lr_decay=linear", "train.lr_final=0.001", "train.lr_decay_rounds=0"],
+     r"train.lr_decay_rounds = 0: .*greater than or equal to 1"),
     (["train.lr_decay=linear"], r"train.lr_decay = 'linear' needs train.lr_final.*<= train.lr = 0.01"),
     (["train.lr_final=0.001"], r"train.lr_final = 0.001 is only read with a decay"),
     (["train.lr_decay=cosine", "train.lr_final=0.1"], r"train.lr_final = 0.1 is above train.lr = 0.01"),

@@ -99,9 +99,10 @@ class TopologyConfig(_Section):
     edge_rounds: int = Field(1, ge=1, description="k2: edge aggregations per cloud round "
                              "(local epochs per edge round stay train.local_epochs, k1)")
     mode: Literal["sync", "async"] = Field(
-        "sync", description="sync: every edge k2 edge rounds per cloud round; async: each as "
-        "many as its clients' simulated time allows in a period of k2 median edge rounds "
-        "(simulation only)")
+        "sync", description="sync: every edge k2 edge rounds per cloud round (the papers' "
+        "schedule: Wen et al.'s T edge-client updates per cloud upload is k2); async, an "
+        "extension beyond the papers: each edge as many as its clients' simulated time allows "
+        "in a period of k2 median edge rounds (simulation only)")
 
 
 class TrainConfig(_Section):
@@ -118,6 +119,11 @@ class TrainConfig(_Section):
     lr_final: float | None = Field(
         None, gt=0, description="the clients' rate at the last client step; needed with "
         "train.lr_decay, 0 < lr_final <= train.lr; None without decay")
+    lr_decay_rounds: int | None = Field(
+        None, ge=1, description="the rounds train.lr_decay spreads over: the rate reaches "
+        "train.lr_final at this round and stays there after it; above train.rounds, a run "
+        "follows the beginning of a longer schedule (HMPL Sec. IV-B decays over up to 800 "
+        "rounds); None = train.rounds; only with a decay")
     momentum: float = Field(0.0, ge=0, lt=1, description="client SGD momentum (reset every round)")
     weight_decay: float = Field(0.0, ge=0)
     participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round "
@@ -169,6 +175,11 @@ class TrainConfig(_Section):
                 raise ValueError(f"train.lr_final = {self.lr_final!r} is only read with a decay; "
                                  "set train.lr_decay to linear, cosine or exponential, or leave "
                                  "lr_final unset")
+            if self.lr_decay_rounds is not None:
+                raise ValueError(f"train.lr_decay_rounds = {self.lr_decay_rounds!r} is only read "
+                                 "with a decay; set train.lr_decay to linear, cosine or "
+                                 "exponential (and train.lr_final), or leave lr_decay_rounds "
+                                 "unset")
         elif self.lr_final is None:
             raise ValueError(f"train.lr_decay = {self.lr_decay!r} needs train.lr_final, the rate "
                              f"at the last round: a number > 0 and <= train.lr = {self.lr!r}")

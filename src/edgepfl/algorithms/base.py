@@ -201,12 +201,14 @@ class Server(Stateful, ABC):
         check_model_entries(self.ctx, cid, reply)
 
     def observe_times(self, rnd: int, times: dict[int, float],
-                      flops: dict[int, int] | None = None) -> None:
+                      flops: dict[int, int] | None = None,
+                      compute: dict[int, float] | None = None) -> None:
         """After ``aggregate``: each replying client's round time in seconds (simulated by
         the system model in the simulation, its measured training time on Flower), for an
-        algorithm that adapts to its devices' speed (HMPL's tiers), and where FLOPs are
-        counted (``system.count_flops``, the simulation) each one's local-training FLOPs.
-        A star's server only."""
+        algorithm that adapts to its devices' speed (HMPL's tiers), where FLOPs are
+        counted (``system.count_flops``, the simulation) each one's local-training FLOPs,
+        and ``compute``: each one's training time alone (the simulation's compute time,
+        without the links; on Flower the same measured time). A star's server only."""
         return None
 
     def round_metrics(self) -> dict[str, float]:

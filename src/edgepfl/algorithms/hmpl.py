@@ -5,12 +5,16 @@ HMPL (Sec. III):
 
 * **Round 1** (Sec. III-C): every client trains the Ord model, which ends in an SPP layer
   (Sec. III-D), so images of any size and aspect ratio pass. The server ranks the clients
-  by their round time and splits them by two time thresholds, 3:4:3 by default
+  by their time (``rank_by``: the device's training time, or the whole round's with the
+  links) and splits them by two time thresholds, 3:4:3 by default
   (``tier_ratio``): the slowest become Com (told to *shrink*: conv3 removed, a 1x1 IP
   convolution aligns conv2's channels), the middle stay Ord (*keep*), the fastest become
   Sup (told to *grow*: an FPN top-down stage with a 1x1 IP lateral and a 3x3 CP
   convolution). A client that did not reply in round 1 gets its tier from the two
-  thresholds when its first round time is observed. A client keeps its tier.
+  thresholds when its first time is observed. A client keeps its tier.
+* **Generation** (``generation``): the layers a tier adds start from the Ord model, so
+  that a new Com or Sup model computes what it did as nearly as its shape allows
+  (``models.hmpl.preserving_start``), or from one random draw per tier, or per client.
 * **Growth** (Sec. III-C2): a Sup model gains one top-down stage towards the earlier
   layers (``ip_lateral2``, then ``ip_lateral1``) after each round whose time stays under
   the upper time threshold, up to ``sup_max_depth``; once its time exceeds it, it stops.
@@ -61,7 +65,7 @@ from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_entries, check_message
 from edgepfl.federation.rng import derive_seed
 from edgepfl.io import read_json, write_json
-from edgepfl.models.hmpl import SUP_MAX_DEPTH, layer_role
+from edgepfl.models.hmpl import SUP_MAX_DEPTH, layer_role, preserving_start
 from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, check_stage, stage_model
 from edgepfl.models.zoo import MODELS
 from edgepfl.system.memory import training_step_bytes
@@ -82,6 +86,8 @@ BYTE_COLUMNS = tuple(f"bytes_{d}_{t}" for d in ("up", "down") for t in TIER_NAME
 # mean round time (s) and mean counted local-training FLOPs
 COST_COLUMNS = tuple(f"{k}_{t}" for t in TIER_NAMES for k in ("trained", "time", "flops"))
 UNION = "hmpl_tiers"  # the model hmpl runs on
+# what a Com model's aligner is derived from under generation = "preserve"
+ALIGN_SOURCE = ("conv3.weight", "conv3.bias")
 
 
 def tier_name(stage: int) -> str:
@@ -98,8 +104,23 @@ FIRST_ROUND = Field(
 
 
 class HMPLHyperparameters(Hyperparameters):
-    before: ClassVar[dict[str, Any]] = {"first_round": "sampled"}
+    # what runs stored before each setting existed did
+    before: ClassVar[dict[str, Any]] = {"first_round": "sampled", "generation": "random",
+                                        "rank_by": "round"}
     first_round: Literal["all", "sampled"] = FIRST_ROUND
+    generation: Literal["preserve", "shared", "random"] = Field(
+        "preserve", description="how the layers a tier adds to the Ord model start (Com's "
+        "ip_align, Sup's laterals and CP layer): preserve = derived from the Ord model so that "
+        "the new model computes what it did, as nearly as its shape allows (laterals zero, "
+        "cp_merge the identity, ip_align conv3's summed taps from the server's conv3), the "
+        "same for every client of a tier (Sec. III-D: 'all the personal models are generated "
+        "by an original model'); shared = one random draw per tier, seeded without the "
+        "client; random = a draw per client (runs before this setting)")
+    rank_by: Literal["compute", "round"] = Field(
+        "compute", description="the time that ranks the clients into tiers and decides Sup "
+        "growth: compute = the device's local training time of the round (simulation: the "
+        "system model's compute time, no link; Flower: the measured training time), as Table "
+        "III's device classes; round = download + compute + upload (runs before this setting)")
     tier_ratio: list[float] = Field(
         [0.3, 0.4, 0.3], min_length=3, max_length=3,
         description="shares of the clients, ranked by round-1 time, that become Com "
@@ -259,6 +280,16 @@ class HMPLServer(Server):
         roles = ("bs",) if self.reduced else ("bs", "cp")
         self.shared: State = {p: v.clone() for p, v in params.items() if layer_role(p) in roles}
         n = ctx.num_clients
+        self.preserve = not self.reduced and hp.generation == "preserve"
+        if self.preserve:
+            # no client trains the CP layer before a Sup model exists, so setting it here
+            # is setting it at every Sup model's generation from the Ord model
+            self.shared.update(preserving_start("cp_merge", self.shared))
+            # only preserve keeps this, so runs of the other modes resume as they were saved
+            self.state = (*type(self).state, "aligned")
+        # a Com client whose reply on the Com model has arrived: it holds its aligner, so
+        # conv3 (what the aligner is derived from) no longer goes with its model
+        self.aligned = [False] * n
         # None: not ranked yet (the client trains the Ord model)
         self.tiers: list[str | None] = ["ord" if self.reduced else None] * n
         self.depths = [0] * n  # a Sup client's depth: the one it is told next
@@ -292,13 +323,19 @@ class HMPLServer(Server):
                         "still trains the Ord model (the simulation times rounds with "
                         "system.count_flops = true)")
         self._sent, self._bytes, self._costs = {}, dict.fromkeys(BYTE_COLUMNS, 0), {}
-        by_stage: dict[int, Message] = {}
+        by_stage: dict[tuple[int, bool], Message] = {}
         out = {}
         for cid in selected:
             stage = self.stage_of(cid)
-            if stage not in by_stage:
-                by_stage[stage] = Message(self.model_for(stage), instruction(stage))
-            out[cid] = by_stage[stage]
+            # resent until a reply on the Com model arrives: a client whose reply was lost
+            # may not have shrunk yet
+            generating = self.preserve and stage == COM and not self.aligned[cid]
+            if (stage, generating) not in by_stage:
+                tensors = self.model_for(stage)
+                if generating:
+                    tensors = {**tensors, **{n: self.shared[n] for n in ALIGN_SOURCE}}
+                by_stage[stage, generating] = Message(tensors, instruction(stage))
+            out[cid] = by_stage[stage, generating]
             self._sent[cid] = stage
             self._bytes[f"bytes_down_{tier_name(stage)}"] += out[cid].nbytes
         return out
@@ -315,6 +352,8 @@ class HMPLServer(Server):
         for cid, reply in replies.items():
             stage = self._sent.get(cid, self.stage_of(cid))
             self._bytes[f"bytes_up_{tier_name(stage)}"] += reply.nbytes
+            if stage == COM:
+                self.aligned[cid] = True
         # Eqs. 5-8: each layer over the replies that hold it (a Com model has no conv3, only
         # Sup models a CP layer); layers of one holder set are averaged together
         groups: dict[tuple[int, ...], list[str]] = {}
@@ -333,17 +372,22 @@ class HMPLServer(Server):
         self.shared = shared
 
     def observe_times(self, rnd: int, times: dict[int, float],
-                      flops: dict[int, int] | None = None) -> None:
+                      flops: dict[int, int] | None = None,
+                      compute: dict[int, float] | None = None) -> None:
         if self.reduced:
             return
+        # the ranking measure; without a compute time of its own (a caller that gives one
+        # time), the round time is all there is
+        measure = compute if self.hp.rank_by == "compute" and compute is not None else times
         if self.thresholds is None:
-            self._rank(times)
+            self._rank(measure)
         else:
-            for cid in sorted(times):
+            for cid in sorted(measure):
                 if self.tiers[cid] is None:  # no reply in the ranking round: its first time
-                    self._assign(cid, self._classify(times[cid]), times[cid])
+                    self._assign(cid, self._classify(measure[cid]), measure[cid])
+        # per-tier costs stay round times, whatever ranks the tiers
         self._costs = tier_costs(times, flops, self.tiers, self._sent)
-        self._grow(times)
+        self._grow(measure)
 
     def _assign(self, cid: int, tier: str, time: float) -> None:
         self.tiers[cid], self.times[cid] = tier, time
@@ -549,14 +593,21 @@ class HMPLClient(Client):
                                             self.trainer.channels_last, device)
         return self._trainers[stage]
 
-    def new_layer(self, stage: int, layer: str, cid: int) -> State:
-        """An IP layer the client adds (shrinking or growing), drawn from a seed of its
-        own: the client and layer decide it, not when or in which process it grows."""
+    def new_layer(self, stage: int, layer: str, cid: int,
+                  ordinary: State | None = None) -> State:
+        """An IP layer the client adds (shrinking or growing). preserve: derived from the
+        Ord model's layers in ``ordinary`` (``preserving_start``); shared and random: drawn
+        from a seed of the tier's layer (shared) or also of the client (random), so that
+        neither when nor in which process it grows changes it."""
+        mode = self.hp.generation
+        if mode == "preserve":
+            return preserving_start(layer, ordinary or {})
         with torch.device("meta"):
             module = MODELS[stage_model(stage)][0](*self.dims).get_submodule(layer)
         module.to_empty(device="cpu")
+        who = (cid,) if mode == "random" else ()
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.ctx.seed, "hmpl", "ip", cid, layer))
+            torch.manual_seed(derive_seed(self.ctx.seed, "hmpl", "ip", *who, layer))
             module.reset_parameters()
         return {f"{layer}.{n}": p.detach() for n, p in module.named_parameters()}
 
@@ -573,13 +624,28 @@ class HMPLClient(Client):
                                "are kept, and a Sup model only grows")
         trainer = self.trainer_at(target)
         shared = shared_names(target, self.dims)
-        check_entries(f"hmpl: the server's {tier_name(target)} model", msg.tensors,
-                      {n: trainer.params[n] for n in shared}, required=True, unknown=False)
+        expected = {n: trainer.params[n] for n in shared}
+        source = {}
+        if target == COM and not self.reduced and self.hp.generation == "preserve":
+            # the Ord model's conv3, sent until the server has a reply on the Com model:
+            # needed when shrinking, ignored once shrunk
+            ordinary = tier_params(ORD, self.dims)
+            source = {n: msg.tensors[n] for n in ALIGN_SOURCE if n in msg.tensors}
+            check_entries("hmpl: the server's conv3", source,
+                          {n: ordinary[n] for n in ALIGN_SOURCE}, unknown=False)
+            if current != COM and len(source) < len(ALIGN_SOURCE):
+                raise MessageError(f"hmpl: a client shrinking to the Com model under "
+                                   f"algorithm.generation = 'preserve' derives ip_align from "
+                                   f"the Ord model's {list(ALIGN_SOURCE)}; the server sent "
+                                   f"{sorted(source) or 'neither'}")
+        check_entries(f"hmpl: the server's {tier_name(target)} model",
+                      {n: v for n, v in msg.tensors.items() if n not in source}, expected,
+                      required=True, unknown=False)
         model = {n: msg.tensors[n] for n in shared}
         own = ip_names(target, self.dims)
         model.update({n: state[n] for n in own if n in state})
         for layer in dict.fromkeys(n.rsplit(".", 1)[0] for n in own if n not in model):
-            model.update(self.new_layer(target, layer, cid))
+            model.update(self.new_layer(target, layer, cid, source))
         trainer.load(model)
         t = self.ctx.train
         stats = trainer.fit(data, t.local_epochs, t.batch_size, t.lr, gen,

@@ -365,17 +365,22 @@ class Rounds:
                 losses.append((reply.stats["train_loss"], reply.num_samples))
         return delivery
 
-    def _client_times(self, delivery: Delivery, sent_down: dict[int, int]) -> dict[int, float]:
-        """Each arrived client's round time (download, training, upload): simulated by the
-        system model where FLOPs are counted, else as the client measured its training
-        (``train_s``, on Flower); clients with neither are left out."""
+    def _client_times(self, delivery: Delivery, sent_down: dict[int, int],
+                      ) -> tuple[dict[int, float], dict[int, float]]:
+        """Each arrived client's round time (download, training, upload) and its training
+        time alone: simulated by the system model where FLOPs are counted, else as the
+        client measured its training (``train_s``, on Flower: both are that time); clients
+        with neither are left out."""
         arrived = sorted(delivery.arrived)
         if self.system is not None and self.flops.enabled and self.transport.counts_flops:
             times = self.system.client_times(arrived, sent_down, delivery.bytes_up(arrived),
                                              delivery.flops(arrived), delivery.slowdown)
-            return {c: d + t + u for c, (d, t, u) in times.items() if math.isfinite(d + t + u)}
-        return {c: float(r.stats["train_s"]) for c, r in delivery.arrived.items()
-                if math.isfinite(r.stats.get("train_s", math.nan))}
+            finite = {c: p for c, p in times.items() if math.isfinite(sum(p))}
+            return ({c: d + t + u for c, (d, t, u) in finite.items()},
+                    {c: t for c, (_, t, _) in finite.items()})
+        measured = {c: float(r.stats["train_s"]) for c, r in delivery.arrived.items()
+                    if math.isfinite(r.stats.get("train_s", math.nan))}
+        return measured, dict(measured)
 
     def check_reply(self, cid: int, reply: ClientReply) -> None:
         """What every reply must pass before it reaches an aggregate: a size cap, finite
@@ -432,10 +437,12 @@ class Rounds:
                 delivery.slowdown, delivery.late, delivery.deadline)
         # only an algorithm that adapts to its devices' speed pays for the per-client times
         if type(self.server).observe_times is not Server.observe_times:
-            times = self._client_times(delivery, sent_down)
+            times, compute = self._client_times(delivery, sent_down)
             if times:
                 counted = self.flops.enabled and self.transport.counts_flops
-                self.server.observe_times(rnd, times, delivery.flops(sorted(times)) if counted else None)
+                self.server.observe_times(rnd, times,
+                                          delivery.flops(sorted(times)) if counted else None,
+                                          compute=compute)
         up, dn = sum(sent_up.values()), sum(sent_down.values())
         row = {"round": rnd, "bytes_up": up, "bytes_down": dn, "clients": len(selected),
                "clients_failed": len(delivery.failed),
@@ -730,12 +737,14 @@ class Rounds:
         if rnd > self.cfg.train.rounds:
             raise EdgepflError(f"{path} is at round {rnd}, past train.rounds={self.cfg.train.rounds}")
         t, stored = self.cfg.train, config.get("train", {})
-        if t.lr_decay != "none" and stored.get("rounds", t.rounds) != t.rounds:
+        # a horizon of its own (train.lr_decay_rounds) does not move with train.rounds
+        if t.lr_decay != "none" and t.lr_decay_rounds is None \
+                and stored.get("rounds", t.rounds) != t.rounds:
             raise ConfigError(f"{path} was run with train.rounds = {stored.get('rounds')} and "
                               f"train.lr_decay = {t.lr_decay!r}, whose rates are spread over "
                               f"those rounds; with train.rounds = {t.rounds} its rounds so far "
                               "would have trained at other rates, so it cannot be extended: "
-                              "start a new run")
+                              "start a new run (one with train.lr_decay_rounds set can be)")
         self.load_parts(tensors, meta.get("state", {}))
         self.round, self.metrics, self.client_acc = rnd, metrics, client_acc
         self.bytes_up, self.bytes_down, self.wall_time = bytes_up, bytes_down, wall_time

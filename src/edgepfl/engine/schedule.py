@@ -43,8 +43,10 @@ def client_lr(train: TrainConfig, step: int, total: int) -> float:
 
 
 def total_steps(cfg: Config) -> int:
-    """Client steps in the whole run: a star's rounds, or rounds x k2 in a hierarchy."""
-    return cfg.train.rounds * cfg.topology.edge_rounds
+    """Client steps the decay spreads over: ``train.lr_decay_rounds`` (default the run's
+    rounds), times k2 in a hierarchy."""
+    rounds = cfg.train.lr_decay_rounds or cfg.train.rounds
+    return rounds * cfg.topology.edge_rounds
 
 
 def step_number(cfg: Config, step: object) -> int:
