@@ -310,3 +310,47 @@ def test_with_a_vanishing_spread_the_sampled_predictive_is_psis_forward_pass():
     # and with the run's own spread the draws do differ from psi
     drawn = sim.client.predictive(0, sim.clients.row(0), msg, sim.train_data[0])["global"]
     assert any(not torch.equal(drawn[0][k], models["psi"][0][k]) for k in drawn[0])
+
+
+def test_the_joint_upper_blocks_reach_their_common_fixed_point():
+    """upper_blocks = joint: from the edges' client means and precisions the cloud solves
+    the edge blocks (Eq. 25) and its own (Eq. 28) together: one more pass of both moves
+    nothing, and the edges are not shrunk towards the cloud mean of the last period."""
+    from edgepfl.algorithms.hierbayes import MEAS, PRIOR, YBAR, cloud_update, edge_posteriors
+
+    sim = Simulation(fast_config(*HB), progress=False)
+    cloud, layout = sim.server, sim.server.layout
+    g = torch.Generator().manual_seed(3)
+    start = cloud.m0.clone()
+    reports, ybars, meass = {}, [], []
+    for k in range(2):
+        ybar = start + 0.05 * torch.randn(start.shape, generator=g, dtype=torch.float64)
+        meas = layout.pool(torch.full_like(start, 400.0 * (k + 1)))
+        msg = Message({**layout.model(ybar, YBAR), **layout.shared(meas, MEAS),
+                       **layout.shared(torch.full_like(start, 1e-3), PRIOR)})
+        reports[k] = msg
+        ybars.append(layout.read(msg, YBAR))
+        meass.append(layout.read(msg, MEAS))
+    cloud.aggregate(1, reports)
+    ybar, meas = torch.stack(ybars), torch.stack(meass)
+    means, variances = edge_posteriors(ybar, meas, cloud.m0, cloud.a_e / cloud.b_e)
+    m0, *_ = cloud_update(means, variances, cloud.hp.psi_prior_var, cloud.a_e, cloud.b_e,
+                          cloud.a_p, cloud.b_p, 1, None, layout)
+    # converged: a further pass moves psi by under 1e-5 of how far this round moved it
+    moved = float((cloud.m0 - start).abs().max())
+    assert float((m0 - cloud.m0).abs().max()) < 1e-5 * moved
+    # psi lies between the edges' client means, not pulled back towards where it started
+    lo, hi = ybar.min(0).values, ybar.max(0).values
+    assert bool(((cloud.m0 >= lo - 1e-9) & (cloud.m0 <= hi + 1e-9)).all())
+    sweep = Simulation(fast_config(*HB, "algorithm.upper_blocks=sweep"), progress=False).server
+    assert set(sweep.state) == set(cloud.state)
+
+
+def test_joint_edges_report_their_clients_mean_in_as_many_bytes():
+    joint = Simulation(fast_config(*HB, "train.rounds=2"), progress=False).run()
+    sweep = Simulation(fast_config(*HB, "train.rounds=2", "algorithm.upper_blocks=sweep"),
+                       progress=False).run()
+    assert [r["bytes_up_edge"] for r in joint.metrics] == [r["bytes_up_edge"] for r in sweep.metrics]
+    assert [r["bytes_down_edge"] for r in joint.metrics] == [r["bytes_down_edge"] for r in sweep.metrics]
+    assert joint.metrics[-1]["acc_psi_mean"] != sweep.metrics[-1]["acc_psi_mean"] or \
+        joint.metrics[-1]["loss_psi"] != sweep.metrics[-1]["loss_psi"]

@@ -67,6 +67,7 @@ from edgepfl.federation.rng import generator
 
 MEAN, PREC, PSI, PRIOR, VAR = "mean.", "prec.", "psi.", "prior.", "var."
 EDGE_MEAN, EDGE_PRIOR = "edge_mean.", "edge_prior."
+YBAR, MEAS = "ybar.", "meas."
 
 
 class HierBayesHyperparameters(Hyperparameters):
@@ -110,6 +111,12 @@ class HierBayesHyperparameters(Hyperparameters):
         "family, s_i^2 = 1 / (n_i h + lambda_k) per tensor, h the mean loss's curvature "
         "(empirical Fisher of the fit's batches), sent with m_i; fixed: s_i = client_std "
         "(FedHB's choice, under which the learned variances collapse: docs/algorithms.md)")
+    upper_blocks: Literal["joint", "sweep"] = Field(
+        "joint", description="joint: an edge reports its clients' mean and its precision, the "
+        "cloud solves the edge and cloud blocks (Eq. 25, 28) together to their fixed point, "
+        "and an edge re-solves its block when the cloud's posterior arrives; sweep: one pass, "
+        "each edge's posterior computed against the last cloud posterior (slower: edges are "
+        "shrunk towards a psi one cloud period old)")
     client_init: Literal["edge", "local"] = Field(
         "edge", description="where a client's m_i starts each round: the edge mean m_k, or its "
         "own last m_i (Algorithm 2, step 7 allows both)")
@@ -245,6 +252,24 @@ def cloud_update(means: torch.Tensor, variances: torch.Tensor, psi_prior_var: fl
     return m, v, a, b
 
 
+JOINT_SWEEPS = 20  # edge <-> cloud passes per cloud round: converged to ~1e-6 at equal weights
+
+
+def edge_posteriors(ybar: torch.Tensor, meas: torch.Tensor, m0: torch.Tensor,
+                    lam_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 25's q(phi_k) for each edge (rows) from its clients' mean ``ybar`` and that mean's
+    precision ``meas`` = S_k lambda_k, under the cloud's N(m_0, 1 / lambda_e)."""
+    prec = meas + lam_e
+    return (meas * ybar + lam_e * m0) / prec, 1.0 / prec
+
+
+def _joint(hp: HierBayesHyperparameters, ctx: ServerContext) -> bool:
+    """Whether the edge and cloud blocks are solved together (with one edge there is no
+    cloud block to couple: psi is phi_1)."""
+    return hp.upper_blocks == "joint" and not (ctx.federation is not None
+                                               and ctx.federation.edges == 1)
+
+
 def proximal_pull(lr: float, coef: list[torch.Tensor], anchor: list[torch.Tensor]):
     """Gradient hook for  mean loss + sum coef/2 (w - anchor)^2, stepped implicitly:
     w' = (w - lr g + lr coef anchor) / (1 + lr coef), written as the gradient
@@ -315,24 +340,36 @@ class HierBayesCloud(_Level, Server):
         self.round = rnd
         if not reports:
             return
-        means, variances, var_c, ages = [], [], [], []
+        hp = self.hp
+        joint = _joint(hp, self.ctx)
+        first, second = (YBAR, MEAS) if joint else (MEAN, VAR)
+        firsts, seconds, var_c, ages = [], [], [], []
         for k, report in reports.items():
             ages.append(staleness(k, report))
-            means.append(self.layout.read(report, MEAN))
-            variances.append(self.layout.read(report, VAR))
+            firsts.append(self.layout.read(report, first))
+            seconds.append(self.layout.read(report, second))
             var_c.append(self.layout.read(report, PRIOR))
         self.var_c = torch.stack(var_c).mean(0)
         if self.single:
-            self.m0, self.v0 = means[0], variances[0]
+            self.m0, self.v0 = firsts[0], seconds[0]
             return
-        hp = self.hp
         weights = None
         if any(ages):
             weights = torch.tensor([(1 + s) ** -hp.staleness_exponent for s in ages],
                                    dtype=torch.float64)
-        self.m0, self.v0, self.a_e, self.b_e = cloud_update(
-            torch.stack(means), torch.stack(variances), hp.psi_prior_var, self.a_e, self.b_e,
-            self.a_p, self.b_p, hp.inner_iters, weights, self.layout)
+        if not joint:
+            self.m0, self.v0, self.a_e, self.b_e = cloud_update(
+                torch.stack(firsts), torch.stack(seconds), hp.psi_prior_var, self.a_e, self.b_e,
+                self.a_p, self.b_p, hp.inner_iters, weights, self.layout)
+            return
+        ybar, meas = torch.stack(firsts), torch.stack(seconds)
+        for _ in range(JOINT_SWEEPS):
+            # the edges' block (Eq. 25's Gaussian part) against the current cloud posterior,
+            # then the cloud's (Eq. 28): block coordinate ascent over both levels
+            means, variances = edge_posteriors(ybar, meas, self.m0, self.a_e / self.b_e)
+            self.m0, self.v0, self.a_e, self.b_e = cloud_update(
+                means, variances, hp.psi_prior_var, self.a_e, self.b_e, self.a_p, self.b_p,
+                hp.inner_iters, weights, self.layout)
 
     def eval_message(self, cid: int) -> Message | None:
         # the global predictive: phi ~ N(m_0, v_0 + E sigma_e^2) (Eq. 30), or a client's
@@ -354,17 +391,22 @@ class HierBayesCloud(_Level, Server):
 
 
 class HierBayesEdge(_Level, Edge):
-    state = ("m", "v", "a", "b", "refreshed")
+    state = ("m", "v", "a", "b", "ybar", "meas", "refreshed")
 
     def __init__(self, ctx: EdgeContext, hp: HierBayesHyperparameters):
         super().__init__(ctx, hp)
         self._setup()
         self.m, self.v, self.a, self.b = self._prior()
         self.m0, self.lam_e = self.m.clone(), 1.0 / self.v
+        # its clients' mean and that mean's precision S_k lambda_k (none yet)
+        self.ybar, self.meas = self.m.clone(), torch.zeros_like(self.m)
         self.refreshed = 0  # the cloud round of its last aggregation of its clients
+        self.joint = _joint(hp, ctx)
 
     def receive(self, rnd: int, msg: Message) -> None:
         self.m0, self.lam_e = self.layout.read(msg, PSI), self.layout.read(msg, PREC)
+        if self.joint:  # its block again, under the cloud posterior that its report moved
+            self.m, self.v = edge_posteriors(self.ybar, self.meas, self.m0, self.lam_e)
 
     def configure(self, rnd: int, step: int, selected: list[int]) -> dict[int, Message]:
         msg = Message({**self.layout.model(self.m, MEAN), **self.layout.shared(self.a / self.b, PREC)})
@@ -382,6 +424,7 @@ class HierBayesEdge(_Level, Edge):
         self.m, self.v, self.a, self.b = edge_update(
             uploads, len(self.ctx.members), eps, self.m0, self.lam_e,
             self.a, self.b, self.a_p, self.b_p, hp.inner_iters, self.layout)
+        self.ybar, self.meas = uploads.mean(0), len(self.ctx.members) * self.a / self.b
         self.refreshed = rnd
 
     def check_reply(self, cid: int, reply: Message) -> None:
@@ -395,8 +438,10 @@ class HierBayesEdge(_Level, Edge):
 
     def report(self, rnd: int) -> Message:
         meta = {STALENESS: rnd - self.refreshed} if rnd > self.refreshed else {}
-        return Message({**self.layout.model(self.m, MEAN), **self.layout.shared(self.v, VAR),
-                        **self.layout.shared(expected_var(self.a, self.b), PRIOR)}, meta)
+        first = (self.layout.model(self.ybar, YBAR) | self.layout.shared(self.meas, MEAS)
+                 if self.joint else
+                 self.layout.model(self.m, MEAN) | self.layout.shared(self.v, VAR))
+        return Message({**first, **self.layout.shared(expected_var(self.a, self.b), PRIOR)}, meta)
 
     def eval_message(self, cid: int) -> Message | None:
         """Algorithm 3's personalization prior, p(theta | phi_k*) = N(m_k, E[sigma_ck^2]),
