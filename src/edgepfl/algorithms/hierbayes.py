@@ -28,8 +28,9 @@ q(psi) = N(m_0, v_0), q(sigma_e^2) = IG(a_e, b_e). Blocks (Eq. 23-28, Algorithm 
   edges' (m_k, v_k). With one edge sigma_e^2 is not identifiable (one observation of a
   spread): psi is phi_1 and the model is the flat two-level one.
 
-Prediction: global (Algorithm 3, Eq. 29-30) samples theta ~ N(m_0, v_0 + E[sigma_e^2] +
-E[sigma_c^2]) and averages the predictive over ``mc_samples`` draws. Personalized
+Prediction: global averages the predictive over ``mc_samples`` draws of the global model
+psi ~ q(psi) (default), of a new edge's phi (Eq. 30) or of a new client's theta (Algorithm
+3's sampling line), ``global_level``. Personalized
 (Algorithm 3, Eq. 31-34) fits f(theta) = N(m_f, eps^2) to the client's own data at test
 time under a prior and averages the predictive over draws from f: ``edge_posterior`` (the
 default) under its edge's N(m_k, E[sigma_ck^2]) as Algorithm 3 writes it, ``cloud`` under
@@ -97,10 +98,11 @@ class HierBayesHyperparameters(Hyperparameters):
         "under the client's edge posterior N(m_k, E[sigma_ck^2]) at test time (Algorithm 3); "
         "cloud: the same fit under p(theta | psi*) (Eq. 32-33); edge: predict with the "
         "client's own q_i (Eq. 31)")
-    global_level: Literal["edge", "client"] = Field(
-        "edge", description="what the global predictive samples: edge, an edge model phi ~ "
-        "N(m_0, v_0 + E[sigma_e^2]) (Eq. 30, the cloud's prediction); client, a client model "
-        "theta, adding E[sigma_c^2] (Algorithm 3's sampling line)")
+    global_level: Literal["cloud", "edge", "client"] = Field(
+        "cloud", description="what the global predictive samples: cloud, the global model psi ~ "
+        "q(psi) = N(m_0, v_0) (the Bayesian model average of psi*); edge, a new edge's model "
+        "phi ~ N(m_0, v_0 + E[sigma_e^2]) (Eq. 30); client, a new client's theta, adding "
+        "E[sigma_c^2] (Algorithm 3's sampling line)")
     personal_epochs: int = Field(1, ge=1, description="epochs of the test-time fit (part of "
                                  "the evaluation protocol, like the test itself: not round work)")
     staleness_exponent: float = Field(
@@ -372,10 +374,12 @@ class HierBayesCloud(_Level, Server):
                 hp.inner_iters, weights, self.layout)
 
     def eval_message(self, cid: int) -> Message | None:
-        # the global predictive: phi ~ N(m_0, v_0 + E sigma_e^2) (Eq. 30), or a client's
-        # theta with E sigma_c^2 added (Algorithm 3's sampling line)
+        # the global predictive: psi ~ q(psi), a new edge's phi (Eq. 30) or a new client's
+        # theta (Algorithm 3's sampling line)
         _, var_e = self.edge_level()
-        spread = self.v0 + var_e + (self.var_c if self.hp.global_level == "client" else 0.0)
+        level = self.hp.global_level
+        spread = (self.v0 + (var_e if level != "cloud" else 0.0)
+                  + (self.var_c if level == "client" else 0.0))
         # p(theta | psi*) = N(m_0, E sigma_e^2 + E sigma_c^2): Eq. 32's prior for a client's
         # personalization (sigma_c^2 averaged over the edges: the client is judged as a new one)
         return Message({**self.layout.model(self.m0, PSI), **self.layout.shared(spread, VAR),
@@ -432,6 +436,13 @@ class HierBayesEdge(_Level, Edge):
         model = {k: v for k, v in reply.tensors.items() if not k.startswith(VAR)}
         check_model_reply(cid, Message(model, reply.meta), self.ctx.init_model)
         if self.hp.client_var == "learned":
+            for name, like in self.layout.like.items():
+                t = reply.tensors.get(VAR + name)
+                shape = (1,) if self.layout.per_layer else tuple(like.shape)
+                if t is None or tuple(t.shape) != shape or t.dtype != like.dtype:
+                    got = "none" if t is None else f"{tuple(t.shape)} {t.dtype}"
+                    raise MessageError(f"client {cid}'s posterior variance {VAR + name!r}: "
+                                       f"expected {shape} {like.dtype}, got {got}")
             var = self.layout.read(reply, VAR)
             if not bool((var > 0).all()):
                 raise MessageError(f"client {cid}'s posterior variances {VAR!r} must be positive")
