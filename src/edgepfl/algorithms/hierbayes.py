@@ -11,8 +11,9 @@ coordinates (``variance = "layer"``, the default) or held per coordinate:
     theta_i | phi_k ~ N(phi_k, sigma_ck^2), sigma_ck^2 ~ IG(a_p, b_p)    client i of edge k
 
 with b_p / a_p = ``prior_scale`` times the layer's initial mean square, and the
-mean-field posterior (Eq. 18-20) q_i(theta_i) = N(m_i, eps^2) with a small fixed spread eps
-(FedHB's client family), q(phi_k) = N(m_k, v_k), q(sigma_ck^2) = IG(a_k, b_k),
+mean-field posterior (Eq. 18-20) q_i(theta_i) = N(m_i, s_i^2) with s_i^2 Eq. 24's optimum
+(``client_var = "learned"``; FedHB's small fixed spread eps with ``"fixed"``, under which
+learned variances collapse), q(phi_k) = N(m_k, v_k), q(sigma_ck^2) = IG(a_k, b_k),
 q(psi) = N(m_0, v_0), q(sigma_e^2) = IG(a_e, b_e). Blocks (Eq. 23-28, Algorithm 2):
 
 * client (Eq. 24): the expected KL to p(theta_i | phi_k) is, up to constants,
@@ -25,8 +26,11 @@ q(psi) = N(m_0, v_0), q(sigma_e^2) = IG(a_e, b_e). Blocks (Eq. 23-28, Algorithm 
   the clients' blocks give it: docs/algorithms.md): closed-form coordinate ascent over
   q(phi_k) and q(sigma_ck^2) from its clients' m_i and the cloud's (m_0, E[1/sigma_e^2]);
 * cloud (Eq. 28): closed-form coordinate ascent over q(psi) and q(sigma_e^2) from the
-  edges' (m_k, v_k). With one edge sigma_e^2 is not identifiable (one observation of a
-  spread): psi is phi_1 and the model is the flat two-level one.
+  edges' (m_k, v_k); with ``upper_blocks = "joint"`` (default) from the edges' client means
+  and precisions, alternating with the edges' Gaussian blocks to their common fixed point,
+  which each edge re-solves when the cloud posterior arrives. With one edge sigma_e^2 is not
+  identifiable (one observation of a spread): psi is phi_1 and the model is the flat
+  two-level one.
 
 Prediction: global averages the predictive over ``mc_samples`` draws of the global model
 psi ~ q(psi) (default), of a new edge's phi (Eq. 30) or of a new client's theta (Algorithm
