@@ -75,7 +75,6 @@ WEN_READINGS: dict[str, dict[str, Any]] = {
     "density_watts": {**_WEN_COMMON, "client_power_dbm": [44.77, 44.77],
                       "noise_dbm_per_hz": -125.0},
 }
-WEN_TABLE2_LINK = WEN_READINGS["band_noise"]
 
 
 class SystemConfig(BaseModel):

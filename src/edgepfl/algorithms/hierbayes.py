@@ -170,18 +170,19 @@ class Layout:
     def flat(self, model: State) -> torch.Tensor:
         return torch.cat([model[n].reshape(-1).double() for n in self.names])
 
+    def tensor_means(self, x: torch.Tensor) -> torch.Tensor:
+        """The mean of a per-coordinate vector over each tensor's coordinates."""
+        sums = torch.zeros(len(self.names), dtype=x.dtype).index_add_(0, self.index, x)
+        return sums / self.sizes
+
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """Each coordinate's value replaced by its tensor's mean when variances are shared."""
-        if not self.per_layer:
-            return x
-        sums = torch.zeros(len(self.names), dtype=x.dtype).index_add_(0, self.index, x)
-        return (sums / self.sizes)[self.index]
+        return self.tensor_means(x)[self.index] if self.per_layer else x
 
     def prior_var(self, scale: float) -> torch.Tensor:
         """b_p / a_p per coordinate: ``scale`` x its tensor's initial mean square."""
         sq = self.flat(self.like) ** 2
-        mean_sq = torch.zeros(len(self.names), dtype=sq.dtype).index_add_(0, self.index, sq)
-        mean_sq = mean_sq / self.sizes
+        mean_sq = self.tensor_means(sq)
         floor = float(sq.mean()) or 1.0  # zero-initialised tensors (biases) take the model's
         return scale * torch.where(mean_sq > 0, mean_sq, torch.full_like(mean_sq, floor))[self.index]
 
@@ -269,11 +270,15 @@ def edge_posteriors(ybar: torch.Tensor, meas: torch.Tensor, m0: torch.Tensor,
     return (meas * ybar + lam_e * m0) / prec, 1.0 / prec
 
 
+def _one_edge(ctx: ServerContext) -> bool:
+    """One edge: a spread of one observation identifies no sigma_e^2, so psi is phi_1."""
+    return ctx.federation is not None and ctx.federation.edges == 1
+
+
 def _joint(hp: HierBayesHyperparameters, ctx: ServerContext) -> bool:
     """Whether the edge and cloud blocks are solved together (with one edge there is no
-    cloud block to couple: psi is phi_1)."""
-    return hp.upper_blocks == "joint" and not (ctx.federation is not None
-                                               and ctx.federation.edges == 1)
+    cloud block to couple)."""
+    return hp.upper_blocks == "joint" and not _one_edge(ctx)
 
 
 def proximal_pull(lr: float, coef: list[torch.Tensor], anchor: list[torch.Tensor]):
@@ -328,8 +333,7 @@ class HierBayesCloud(_Level, Server):
         self.m0, self.v0, self.a_e, self.b_e = self._prior()
         self.var_c = self.v0.clone()
         self.round = 0
-        # one edge: a spread of one observation identifies no sigma_e^2, psi is phi_1
-        self.single = ctx.federation is not None and ctx.federation.edges == 1
+        self.single = _one_edge(ctx)
 
     def edge_level(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(E[1/sigma_e^2], E[sigma_e^2]); with one edge the flat prior and no spread."""
@@ -496,7 +500,8 @@ class HierBayesClient(Client):
         hook = pull
         if curvature is not None:
             def hook(params, grads):
-                curvature.append(torch.stack(torch._foreach_norm(grads)).double().cpu() ** 2)
+                # kept where the step runs: one copy to the host after the fit, not one a step
+                curvature.append(torch.stack(torch._foreach_norm(grads)).double() ** 2)
                 pull(params, grads)
         stats = self.trainer.fit(data, epochs, t.batch_size, t.lr, gen, momentum=t.momentum,
                                  weight_decay=t.weight_decay, grad_hook=hook)
@@ -508,7 +513,8 @@ class HierBayesClient(Client):
         s^2 = 1 / (n h + lambda), h the mean loss's mean diagonal curvature over the tensor,
         estimated by the empirical Fisher: batch size x the mean squared batch gradient."""
         n = max(data.n, 1)
-        sq = torch.stack(curvature).mean(0) if curvature else torch.zeros(len(self.names))
+        sq = (torch.stack(curvature).mean(0).cpu() if curvature
+              else torch.zeros(len(self.names), dtype=torch.float64))
         out = {}
         for j, k in enumerate(self.names):
             h = float(sq[j]) * min(self.ctx.train.batch_size, n) / like[k].numel()
