@@ -27,7 +27,7 @@ test: lint
 	$(VENV)/bin/pytest
 
 bench: setup
-	$(PY) bench/throughput.py
+	$(PY) bench/speed/throughput.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

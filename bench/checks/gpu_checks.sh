@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one call (about 6-7 minutes
+# on an H100): whole rounds of ten clients on the CPU's 16 threads, on the GPU and batched
+# on the GPU (FedAvg, KAPC, DC-PFL), the batched runs' figures against the CPU's, KAPC's
+# state on disk on the GPU, and clients batched into one step against one after another.
+# The most wanted figures come first, and a failing step does not stop the ones after it
+# (a device call's time is short and a late step may be cut off). Logs go to $OUT
+# (default runs/gpu); record them in bench/checks/README.md and bench/speed/README.md ("On a GPU").
+#
+#     bash bench/checks/gpu_checks.sh            # needs a CUDA GPU
+set -uo pipefail
+out=${OUT:-runs/gpu}
+bench=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')" || exit 1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+failed=()
+step() {  # step NAME COMMAND...: the command's output to the screen and to $out/NAME.log
+    local name=$1; shift
+    echo "== $name: $*" | tee "$out/$name.log"
+    "$@" 2>&1 | tee -a "$out/$name.log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { echo "== $name failed ($rc)" | tee -a "$out/$name.log"; failed+=("$name"); }
+}
+step scale_fedavg python "$bench/speed/scale.py" --clients 100 --algorithms fedavg --rounds 5 \
+    --modes seq cuda cuda-vmap --set system.count_flops=false train.local_epochs=5
+step device_check_batched python "$bench/checks/device_check.py" \
+    --algorithms fedavg fedprox local kapc dcpfl --rounds 3 \
+    --gpu-set train.batch_clients=true --out "$out/device_check_batched.json"
+step scale_kapc_dcpfl python "$bench/speed/scale.py" --clients 100 --algorithms kapc dcpfl --rounds 4 \
+    --modes seq cuda cuda-vmap --set system.count_flops=false train.local_epochs=5
+step device_check_disk python "$bench/checks/device_check.py" --algorithms kapc --rounds 2 \
+    --gpu-set train.store=disk --out "$out/device_check_disk.json"
+step vmap_step python "$bench/speed/vmap_step.py" --device cuda --clients 10 --steps 50 --batch 32 \
+    --repeats 3
+[ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }
