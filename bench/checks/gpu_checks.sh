@@ -5,7 +5,8 @@
 # state on disk on the GPU, and clients batched into one step against one after another.
 # The most wanted figures come first, and a failing step does not stop the ones after it
 # (a device call's time is short and a late step may be cut off). Logs go to $OUT
-# (default runs/gpu); record them in bench/checks/README.md and bench/speed/README.md ("On a GPU").
+# (default runs/gpu); record them in bench/checks/README.md, bench/speed/README.md ("On a GPU")
+# and bench/LOG.md.
 #
 #     bash bench/checks/gpu_checks.sh            # needs a CUDA GPU
 set -uo pipefail

@@ -8,7 +8,7 @@ alternating, on MNIST (10% of it, 10 clients, cnn2, batch 32, one local epoch).
 
     python bench/speed/feature_loss.py [--rounds 2] [--repeats 2]
 
-Prints seconds per round of both and their ratio; record results in bench/speed/README.md.
+Prints seconds per round of both and their ratio; record results in bench/speed/README.md and bench/LOG.md.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Rounds are timed against the first mode listed, in the same run. With
 run's temporary folder); peak RSS then counts the file pages the kernel held at once, and
 the peak of anonymous memory (sampled every 20 ms) is what the run itself needed.
 
-One JSON line per run and a markdown table at the end; record results in bench/speed/README.md.
+One JSON line per run and a markdown table at the end; record results in bench/speed/README.md and bench/LOG.md.
 Evaluation runs once, after the timed rounds (every client's test split: it scales with N
 too, and is reported on its own). Peak memory is the main process's; with workers, the
 largest worker's peak is reported beside it (forked workers share the data set's pages,

@@ -9,7 +9,7 @@ The first round (it counts FLOPs and warms caches) is timed apart; then ``--roun
 are timed, and within them the time the clients' updates took (``InProcess.train``).
 Ratios are against FedAvg measured in the same run, and the first round's against the
 later ones' mean (the goal: under 1.1x with FLOP counting on); record results in
-bench/speed/README.md. With ``--repeats N`` every algorithm runs N times from a fresh
+bench/speed/README.md and bench/LOG.md. With ``--repeats N`` every algorithm runs N times from a fresh
 simulation, the algorithms taking turns (so that a drifting load hits them alike), and
 each figure is the median of the N runs, the first round's ratio the median of the runs'
 ratios: one run's first round alone moves by 10% on a shared machine. The last column

@@ -8,7 +8,7 @@ Evaluation is excluded from both (the engine evaluates only after the timed roun
 
     python bench/speed/throughput.py [--rounds 3] [--fraction 0.1] [--repeats 3]
 
-Prints samples/s of both and the engine's overhead; record results in bench/speed/README.md.
+Prints samples/s of both and the engine's overhead; record results in bench/speed/README.md and bench/LOG.md.
 """
 
 from __future__ import annotations
