@@ -40,14 +40,14 @@ def resumed_and_straight(tmp_path, *overrides: str):
 
 def crash_after(sim, rounds: int, monkeypatch) -> None:
     """Run ``sim`` until it is interrupted in the round after ``rounds`` (a crash)."""
-    real_step = sim.step
+    real_step = sim.rounds.step
 
     def crash():
         if sim.round == rounds:
             raise KeyboardInterrupt
         return real_step()
 
-    monkeypatch.setattr(sim, "step", crash)
+    monkeypatch.setattr(sim.rounds, "step", crash)
     with pytest.raises(KeyboardInterrupt):
         sim.run()
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from edgepfl.engine.rounds import Rounds
 from edgepfl.engine.simulation import CHECKPOINT, Simulation, resume_run, start_run
 from edgepfl.errors import ConfigError, EdgepflError
 from tests.conftest import crash_after, fast_config, forget_algorithm_setting
@@ -204,7 +205,7 @@ def test_an_interrupted_extension_does_not_look_finished(tmp_path, monkeypatch):
     def crash(self):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Simulation, "step", crash)
+    monkeypatch.setattr(Rounds, "step", crash)
     with pytest.raises(KeyboardInterrupt):
         resume_run(tmp_path / "run", progress=False, overrides=["train.rounds=3"])
     assert not (tmp_path / "run" / "summary.json").exists()
@@ -242,7 +243,7 @@ def test_a_run_that_cannot_start_leaves_no_directory(tmp_path, monkeypatch):
 
 
 def test_a_client_without_a_named_prediction_is_left_out_of_that_figure(monkeypatch):
-    from edgepfl.engine.rounds import Figures
+    from edgepfl.engine.transport import Figures
 
     sim = Simulation(fast_config("train.rounds=1"), progress=False)
     # client 0 has a 'global' prediction (8 of 10 right), client 1 none, the others no test

@@ -73,7 +73,7 @@ def test_dropped_clients_are_untouched_and_every_algorithm_completes(name):
     dropped_any = 0
     for _ in range(2):
         rows = {cid: part_state_row(sim, cid) for cid in range(sim.federation.num_clients)}
-        up, down = sim.rounds.bytes_up.copy(), sim.rounds.bytes_down.copy()
+        up, down = sim.rounds.ledger.bytes_up.copy(), sim.rounds.ledger.bytes_down.copy()
         first = len(seen)
         row = sim.step()
         failed = [c for _, _, d in seen[first:] for c in d.failed]
@@ -84,7 +84,7 @@ def test_dropped_clients_are_untouched_and_every_algorithm_completes(name):
             if all(cid not in d.replies for _, _, d in seen[first:]):
                 for k, v in rows[cid].items():
                     assert torch.equal(v, sim.clients.row(cid)[k]), (cid, k)
-                assert sim.rounds.bytes_up[cid] == up[cid] and sim.rounds.bytes_down[cid] == down[cid]
+                assert sim.rounds.ledger.bytes_up[cid] == up[cid] and sim.rounds.ledger.bytes_down[cid] == down[cid]
         dropped_any += len(dropped)
     assert dropped_any > 0
     assert sim.rounds.summary()["clients_failed_total"] == sum(r["clients_failed"] for r in sim.metrics)
@@ -142,7 +142,7 @@ def test_a_late_reply_is_not_aggregated_and_the_round_waits_for_the_deadline():
     assert delivery.late == delivery.slowdown.keys() and len(delivery.late) == 3
     assert row["clients_failed"] == 3
     for cid in delivery.late:  # it received the model and trained, its reply came too late
-        assert sim.rounds.bytes_down[cid] > 0 and sim.rounds.bytes_up[cid] == 0
+        assert sim.rounds.ledger.bytes_down[cid] > 0 and sim.rounds.ledger.bytes_up[cid] == 0
     assert row["t_round"] == pytest.approx(deadline + row["t_server"], rel=1e-9)
     # without the deadline the stragglers reply and the round waits for them
     waited = Simulation(config("fedavg", "train.rounds=1", "faults.straggler_rate=0.5",
@@ -154,7 +154,7 @@ def test_a_run_with_faults_resumes_to_the_straight_runs_figures(tmp_path):
     resumed, straight = resumed_and_straight(tmp_path, "algorithm.name=kapc",
                                              "faults.drop_rate=0.4")
     assert without_wall(resumed.metrics) == without_wall(straight.metrics)
-    assert resumed.rounds.failures.tolist() == straight.rounds.failures.tolist()
+    assert resumed.rounds.ledger.failures.tolist() == straight.rounds.ledger.failures.tolist()
 
 
 def test_faults_need_what_they_act_on():

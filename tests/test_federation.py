@@ -100,7 +100,7 @@ def test_a_hierarchical_run_resumes_exactly(tmp_path):
     resumed, straight = resumed_and_straight(tmp_path, *HIER, "topology.edges=2",
                                              "topology.edge_rounds=2")
     assert without_wall(resumed.metrics) == without_wall(straight.metrics)
-    assert resumed.rounds.edge_bytes_up.tolist() == straight.rounds.edge_bytes_up.tolist()
+    assert resumed.rounds.ledger.edge_bytes_up.tolist() == straight.rounds.ledger.edge_bytes_up.tolist()
 
 
 def test_per_edge_participation_takes_a_share_of_every_edge():
@@ -345,7 +345,7 @@ def test_a_slow_edge_is_stale_and_the_cloud_weights_it_down():
     assert stale and all(m["staleness"] >= 1 for m in stale)
     assert all("staleness" not in m[k] for m in seen for k in (0, 1))
     # a busy edge took no new model: its backhaul download is smaller than a fast edge's
-    assert sim.rounds.edge_bytes_down[2] < sim.rounds.edge_bytes_down[0]
+    assert sim.rounds.ledger.edge_bytes_down[2] < sim.rounds.ledger.edge_bytes_down[0]
 
 
 def test_asynchronous_edges_need_the_system_model():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.engine.rounds import ClientFailure, ClientReply
+from edgepfl.engine.transport import ClientFailure, ClientReply
 from edgepfl.engine.simulation import Simulation
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.topology import CLOUD
@@ -255,7 +255,7 @@ def assert_sane(part, honest, what: str) -> None:
 def test_every_honest_reply_passes(case):
     run = honest_run(case)
     assert [r["clients_failed"] for r in run.sim.metrics] == [0] * case[3]
-    assert run.sim.rounds.failure_log == []
+    assert run.sim.rounds.ledger.failure_log == []
     assert run.steps and all(s.replies for s in run.steps)
     if case[0] in PHASES:
         attr, phases = PHASES[case[0]]
@@ -360,12 +360,12 @@ def test_a_client_corrupting_every_reply_fails_and_changes_nothing_else(name, ov
     victim = 2
     bad = tampered_run(name, overrides, victim, corrupt)
     gone = tampered_run(name, overrides, victim, remove)
-    steps = len(bad.rounds.failure_log)
-    assert steps == len(gone.rounds.failure_log) == bad.round * bad.federation.edge_rounds
+    steps = len(bad.rounds.ledger.failure_log)
+    assert steps == len(gone.rounds.ledger.failure_log) == bad.round * bad.federation.edge_rounds
     assert all(e["client"] == victim and e["reason"].startswith("rejected: ")
-               for e in bad.rounds.failure_log)
-    assert bad.rounds.failures.tolist() == gone.rounds.failures.tolist()
-    assert bad.rounds.failures[victim] == steps
+               for e in bad.rounds.ledger.failure_log)
+    assert bad.rounds.ledger.failures.tolist() == gone.rounds.ledger.failures.tolist()
+    assert bad.rounds.ledger.failures[victim] == steps
     assert [r["clients_failed"] for r in bad.metrics] == [r["clients_failed"] for r in gone.metrics]
     for a, b in zip((bad.server, *bad.edges), (gone.server, *gone.edges), strict=True):
         assert_unchanged(state_of(b), a, f"{name}: {type(a).__name__}")

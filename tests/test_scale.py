@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from edgepfl.engine.simulation import CheckpointPolicy
+from edgepfl.engine.rundir import CheckpointPolicy
 from edgepfl.io import read_tensors, write_tensors
 from edgepfl.plotting import BARS_UP_TO, plot_partition
 

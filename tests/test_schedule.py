@@ -147,7 +147,7 @@ def test_clients_train_at_the_rounds_decayed_rate_and_metrics_say_which():
     tensors.update(again.clients.state_dict("client/"))
     constant = Simulation(fast_config("train.lr=0.01"), progress=False)
     constant.load_state(tensors, meta)
-    constant.rounds.round = 2
+    constant.rounds.ledger.round = 2
     row = constant.step()
     assert (row["lr"], row["train_loss"]) == (0.01, sim.metrics[2]["train_loss"])
 

@@ -71,36 +71,21 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 if TYPE_CHECKING:
     from flwr.supercore.run import Run
 
-from edgepfl import __version__
 from edgepfl.algorithms.base import Client
 from edgepfl.algorithms.training import ClientData, TestData, sample_count
 from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.data.datasets import Dataset, load_dataset
 from edgepfl.data.partition import Partition
+from edgepfl.engine.client_step import client_split, client_step, evaluate_client
+from edgepfl.engine.ledger import METRIC_COLUMNS
 from edgepfl.engine.parts import Parts, load_federation, resolve
-from edgepfl.engine.progress import RoundProgress
-from edgepfl.engine.rounds import (
-    METRIC_COLUMNS,
-    ClientFailure,
-    ClientReply,
-    Figures,
-    Rounds,
-    Transport,
-    metric_columns,
-)
-from edgepfl.engine.schedule import step_lr, training_rate
-from edgepfl.engine.simulation import (
-    CHECKPOINT,
-    CheckpointPolicy,
-    client_split,
-    evaluate_client,
-    finish_run_dir,
-)
+from edgepfl.engine.rounds import Rounds
+from edgepfl.engine.rundir import CHECKPOINT, load_checkpoint, run_rounds
+from edgepfl.engine.transport import ClientFailure, ClientReply, Figures, Transport
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message, MessageError
-from edgepfl.federation.rng import derive_seed, generator
 from edgepfl.federation.topology import CLOUD
-from edgepfl.io import read_tensors, write_csv, write_json, write_tensors
+from edgepfl.io import read_tensors, write_json, write_tensors
 from edgepfl.system import COST_COLUMNS
 
 log = logging.getLogger("edgepfl")
@@ -304,13 +289,9 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     rnd = _round(message)
     msg = from_content(message.content)
     state = _state(context, node, cid, cfg)
-    torch.manual_seed(derive_seed(cfg.seed, "torch", rnd, cid))
     train, _ = node.split(cid)
     started = time.perf_counter()
-    part = node.client(cid)
-    # the step's rate, from the step as the simulation derives it (train.lr_decay)
-    with training_rate(part, step_lr(cfg, rnd)):
-        result = part.update(cid, msg, state, train, generator(cfg.seed, "client", rnd, cid))
+    result = client_step(cfg, node.client(cid), rnd, cid, msg, state, train)
     train_s = time.perf_counter() - started
     # entries a client does not return keep their value, as in the simulation's store
     kept = {**state, **result.state}
@@ -601,8 +582,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
     parts = Parts.build(cfg, dataset, n, out)
     rounds = Rounds(parts, FlowerTransport(None, {}, timeout, n, parts.federation.parent))
     if resume:
-        tensors, meta = read_tensors(out / CHECKPOINT)
-        rounds.restore(out / CHECKPOINT, tensors, meta)
+        load_checkpoint(out / CHECKPOINT, rounds)
         log.info("resuming %s after round %d", out, rounds.round)
     rounds.transport.grid = grid
     rounds.transport.nodes = discover(grid, n, wait, timeout, parts.federation.parent,
@@ -610,26 +590,9 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
     if out is not None:
         write_json(out / "config.json", cfg.model_dump())
         write_json(out / "federation.json", parts.federation.to_json())
-    bar = RoundProgress(cfg.train.rounds, rounds.round, f"{cfg.algorithm.name} on Flower", progress)
-    policy = CheckpointPolicy(cfg.output.checkpoint_every)
-    try:
-        while not rounds.done:
-            row = rounds.step()
-            if out is not None:
-                write_csv(out / "metrics.csv", metric_columns(rounds.metrics, COLUMNS), rounds.metrics)
-                rounds.write_failures(out)
-                if policy.due(rounds.round, rounds.last_round):
-                    with policy.writing():
-                        tensors, meta = rounds.save_state()
-                        meta.update(config=cfg.model_dump(), edgepfl_version=__version__)
-                        write_tensors(out / CHECKPOINT, tensors, meta)
-            bar.update(rounds.round, row)
-        bar.stopped(rounds.stopped)
-    finally:
-        bar.close()
-    summary = rounds.summary(runtime="flower")
-    if out is not None:
-        finish_run_dir(out, cfg, summary, rounds.server, rounds.metrics)
+    summary = run_rounds(rounds, out, label=f"{cfg.algorithm.name} on Flower",
+                         progress=progress, columns=COLUMNS,
+                         extra=lambda: {"runtime": "flower"})
     return FlowerResult(summary, rounds.metrics, out)
 
 

@@ -1,5 +1,6 @@
 """The in-process simulation: the round protocol (``engine.rounds``) over an in-process
-transport, plus what a run directory needs (set-up files, metrics, checkpoints, resume).
+transport, driven by the run driver (``engine.rundir``), with the set-up files only a
+simulated run writes, and starting and resuming runs.
 
 The transport delivers each message as a private copy, runs the client part on that
 client's row of the stacked state, counts the FLOPs of its work and copies the reply back;
@@ -9,110 +10,45 @@ the round loop, the byte counts and the figures are the ones every runtime share
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from edgepfl import __version__
-from edgepfl.algorithms.base import Client, states_fit
-from edgepfl.algorithms.training import ClientData, TestData, eval_parts, sample_count
-from edgepfl.config import Config, build_config, comparable, config_diff, with_before
+from edgepfl.algorithms.base import states_fit
+from edgepfl.algorithms.training import ClientData, TestData, sample_count
+from edgepfl.config import Config, build_config
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition
+from edgepfl.engine.client_step import as_client, client_split, client_step, evaluate_client
+from edgepfl.engine.ledger import METRIC_COLUMNS, accuracy_row, accuracy_summary, metric_columns
 from edgepfl.engine.parts import Parts, image_crops, load_federation, resolve
-from edgepfl.engine.progress import RoundProgress, setting_up
-from edgepfl.engine.rounds import (
-    METRIC_COLUMNS,
-    ClientReply,
-    Figures,
-    Rounds,
-    Transport,
-    accuracy_row,
-    accuracy_summary,
-    metric_columns,
+from edgepfl.engine.progress import setting_up
+from edgepfl.engine.rounds import Rounds
+from edgepfl.engine.rundir import (
+    CHECKPOINT,
+    Hook,
+    comparable,
+    config_diff,
+    default_run_dir,
+    load_checkpoint,
+    run_rounds,
+    save_checkpoint,
+    with_before,
 )
-from edgepfl.engine.schedule import step_lr, training_rate
+from edgepfl.engine.transport import ClientReply, Figures, Transport
 from edgepfl.engine.workers import WorkerPool, worker_count
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message
-from edgepfl.federation.rng import derive_seed, generator
 from edgepfl.federation.store import StackedStore, sendable
-from edgepfl.io import read_json, read_tensors, write_csv, write_json, write_tensors
+from edgepfl.io import read_json, write_json
 from edgepfl.system import FlopMeter, SystemModel, peak_rss_bytes, work_signature
 
-CHECKPOINT = "checkpoint.safetensors"
 __all__ = ["CHECKPOINT", "METRIC_COLUMNS", "InProcess", "Parts", "RunResult", "Simulation",
            "accuracy_row", "accuracy_summary", "client_split", "load_federation",
            "metric_columns", "resolve", "resume_run", "start_run"]
-
-
-class CheckpointPolicy:
-    """When to write a checkpoint (``output.checkpoint_every``): every k rounds, or under
-    ``auto`` once the rounds since the last one took ``RATIO`` times as long as writing it,
-    so that checkpoints cost at most about 1 / RATIO of a run whatever the state's size."""
-
-    RATIO = 10.0
-
-    def __init__(self, every: int | str):
-        self.every = every
-        self.cost = 0.0  # seconds the last checkpoint took to write
-        self.since = time.perf_counter()
-
-    def due(self, rnd: int, last: int) -> bool:
-        if self.every == "never":
-            return False
-        if rnd == last:
-            return True
-        if self.every == "auto":
-            return time.perf_counter() - self.since >= self.RATIO * self.cost
-        return rnd % int(self.every) == 0
-
-    @contextmanager
-    def writing(self) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self.since = time.perf_counter()
-        self.cost = self.since - start
-
-
-def finish_run_dir(out: Path, cfg: Config, summary: dict, server, metrics: list[dict]) -> None:
-    """What a finished run writes: its summary, the algorithm's artifacts, the plot."""
-    write_json(out / "summary.json", summary)
-    server.write_artifacts(out, cfg.output.plots)
-    if cfg.output.plots:
-        from edgepfl.plotting import plot_accuracy
-        plot_accuracy(metrics, out / "accuracy.png", f"{cfg.algorithm.name} on {cfg.dataset.name}")
-
-
-def client_split(dataset: Dataset, partition: Partition, cid: int,
-                 cfg: Config | None = None) -> tuple[ClientData, TestData]:
-    """Client ``cid``'s training view and its test samples: ``(x, y)`` gathered, or with
-    ``cfg.dataset.aspect_ratios`` a cropped view of the test set as the training view is
-    of the training set (a ``ClientData`` whose ``buckets`` are its shapes)."""
-    ds, idx = dataset, partition.test[cid]
-    crops = image_crops(cfg, dataset) if cfg is not None else None
-    if crops is None:
-        return (ClientData(ds.x_train, ds.y_train, partition.train[cid], norm=ds.norm),
-                (ds.images("test", idx), ds.y_test.index_select(0, idx)))
-    # Drawn per client from the run seed alone, so the simulation and a Flower node (which
-    # builds only its own client's split) cut the same crops.
-    ratio = None
-    if cfg.dataset.aspect_mode == "client":
-        table = crops.client_ratios(partition.num_clients, generator(cfg.seed, "aspect", "clients"))
-        ratio = int(table[cid])
-    train_idx = partition.train[cid]
-    return (ClientData(ds.x_train, ds.y_train, train_idx,
-                       crops.draw(train_idx.numel(), generator(cfg.seed, "aspect", "train", cid), ratio),
-                       ds.norm),
-            ClientData(ds.x_test, ds.y_test, idx,
-                       crops.draw(idx.numel(), generator(cfg.seed, "aspect", "test", cid), ratio),
-                       ds.norm))
 
 
 @dataclass
@@ -207,19 +143,10 @@ class InProcess(Transport):
         if task[0] == "eval":
             return self._evaluate_task(task[1])
         _, step, cid, msg, state, count = task
-        with self._as_client(step, cid) as (part, gen), \
-                FlopMeter(enabled=count, cache=False).measure() as counted:
-            result = part.update(cid, msg, state, self.train_data[cid], gen)
-        return cid, result.state, result.reply, result.stats, counted.flops
-
-    @contextmanager
-    def _as_client(self, step: int, cid: int) -> Iterator[tuple[Client, torch.Generator]]:
-        """Client ``cid``'s part in ``step``: the global RNG seeded and the step's rate lent
-        as for its update, with its batch generator."""
-        torch.manual_seed(derive_seed(self.seed, "torch", step, cid))
         part = self.parts[self.arch[cid]]
-        with training_rate(part, step_lr(self.cfg, step)):
-            yield part, generator(self.seed, "client", step, cid)
+        with FlopMeter(enabled=count, cache=False).measure() as counted:
+            result = client_step(self.cfg, part, step, cid, msg, state, self.train_data[cid])
+        return cid, result.state, result.reply, result.stats, counted.flops
 
     def _train_batched(self, tasks: list[tuple]) -> list[tuple]:
         """``_worker_task`` of every task, the fits of clients that state them
@@ -231,8 +158,9 @@ class InProcess(Transport):
         for task in tasks:
             _, step, cid, msg, state, count = task
             request = None
-            if not count and states_fit(self.parts[self.arch[cid]]):
-                with self._as_client(step, cid) as (part, gen):
+            part = self.parts[self.arch[cid]]
+            if not count and states_fit(part):
+                with as_client(self.cfg, part, step, cid) as gen:
                     request = part.fit_request(cid, msg, state, self.train_data[cid], gen)
             if request is None:
                 out[cid] = self._worker_task(task)
@@ -277,22 +205,6 @@ class InProcess(Transport):
                                     self.train_data[cid], self.test_data[cid])
 
 
-def evaluate_client(client, trainer, cid: int, state, eval_msg: Message | None,
-                    train: ClientData, test: TestData) -> Figures:
-    """A client's named predictions (``Client.predictive``) on its test split (summed over
-    its input shapes when images are cropped; whole images are one)."""
-    models = client.predictive(cid, state, eval_msg, train)
-    parts = eval_parts(test)
-
-    def score(states) -> tuple[int, float]:
-        figures = [trainer.evaluate_predictive(states, x, y) for x, y in parts]
-        return sum(c for c, _ in figures), sum(loss for _, loss in figures)
-
-    correct, loss = score(models.pop(""))
-    extra = {name: score(states) for name, states in models.items()}
-    return Figures(correct, sample_count(test), loss, extra)
-
-
 class Simulation:
     """One run of one algorithm on one federation. ``run()`` executes the rounds."""
 
@@ -335,11 +247,11 @@ class Simulation:
 
     @property
     def bytes_up(self) -> np.ndarray:
-        return self.rounds.bytes_up
+        return self.rounds.ledger.bytes_up
 
     @property
     def bytes_down(self) -> np.ndarray:
-        return self.rounds.bytes_down
+        return self.rounds.ledger.bytes_down
 
     def step(self) -> dict:
         return self.rounds.step()
@@ -348,30 +260,18 @@ class Simulation:
         return self.rounds.evaluate(self.round)
 
     # -- whole run ---------------------------------------------------------------------
-    def run(self) -> RunResult:
+    def run(self, hooks: Sequence[Hook] = ()) -> RunResult:
+        """Every round left, into the run directory if there is one; ``hooks`` are called
+        after each round (``engine.rundir.Hook``)."""
         cfg = self.cfg
         if self.out_dir is not None and self.round == 0:
             self._write_setup()
-        bar = RoundProgress(cfg.train.rounds, self.round,
-                            f"{cfg.algorithm.name} on {cfg.dataset.name}", self.progress)
-        policy = CheckpointPolicy(cfg.output.checkpoint_every)
-        try:
-            while not self.rounds.done:
-                row = self.step()
-                if self.out_dir is not None:
-                    write_csv(self.out_dir / "metrics.csv", self.metric_columns(), self.metrics)
-                    self.rounds.write_failures(self.out_dir)
-                    if policy.due(self.round, self.rounds.last_round):
-                        with policy.writing():
-                            self.save_checkpoint()
-                bar.update(self.round, row)
-            bar.stopped(self.rounds.stopped)
-        finally:
-            bar.close()
-            self.transport.close()
-        summary = self.summary()
-        if self.out_dir is not None:
-            finish_run_dir(self.out_dir, cfg, summary, self.server, self.metrics)
+        summary = run_rounds(self.rounds, self.out_dir,
+                             label=f"{cfg.algorithm.name} on {cfg.dataset.name}",
+                             progress=self.progress, hooks=hooks,
+                             clients=lambda: self.clients.state_dict("client/"),
+                             extra=lambda: {"client_state_bytes": self.clients.nbytes(),
+                                            "peak_rss_bytes": peak_rss_bytes()})
         return RunResult(summary, self.metrics, self.out_dir, list(self.client_acc))
 
     def metric_columns(self) -> list[str]:
@@ -408,10 +308,7 @@ class Simulation:
 
     def save_checkpoint(self) -> None:
         assert self.out_dir is not None
-        tensors, meta = self.rounds.save_state()
-        tensors.update(self.clients.state_dict("client/"))
-        meta.update(config=self.cfg.model_dump(), edgepfl_version=__version__)
-        write_tensors(self.out_dir / CHECKPOINT, tensors, meta)
+        save_checkpoint(self.out_dir, self.cfg, self.rounds, self.clients.state_dict("client/"))
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
         """Clients', edges' and server's state from a checkpoint (no config check: the
@@ -420,19 +317,8 @@ class Simulation:
         self.rounds.load_parts(tensors, (meta or {}).get("state", {}))
 
     def load_checkpoint(self, path: Path) -> None:
-        tensors, meta = read_tensors(path)
-        self.rounds.restore(path, tensors, meta)
+        tensors = load_checkpoint(path, self.rounds)
         self.clients.load_state_dict(tensors, "client/")
-
-
-def default_run_dir(cfg: Config, base: Path = Path("runs")) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = base / f"{cfg.algorithm.name}-{cfg.dataset.name}-{stamp}"
-    k = 1
-    while path.exists():
-        k += 1
-        path = base / f"{cfg.algorithm.name}-{cfg.dataset.name}-{stamp}-{k}"
-    return path
 
 
 def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | None = None,

@@ -1,0 +1,289 @@
+"""The run driver, written once for every runtime, and the run directory it fills.
+
+``drive`` runs the rounds of a ``Rounds`` to the end and calls each ``Hook`` after every
+round: the metrics file, the checkpoint policy and the progress line are hooks, and so is
+any side work a caller adds. ``run_rounds`` is what both runtimes call: the driver, then
+the summary and the files a finished run leaves.
+
+The run directory holds config.json, metrics.csv, failures.csv, checkpoint.safetensors
+(tensors in safetensors, everything else in its JSON metadata) and, once the run is
+done, summary.json. A checkpoint is refused unless it belongs to the run's
+configuration, compared by ``comparable``: the settings that change what a run computes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from edgepfl import __version__
+from edgepfl.algorithms import ALGORITHMS
+from edgepfl.config import Config, build_config
+from edgepfl.engine.ledger import METRIC_COLUMNS, Ledger, metric_columns
+from edgepfl.engine.progress import RoundProgress
+from edgepfl.errors import ConfigError, EdgepflError
+from edgepfl.io import read_tensors, write_csv, write_json, write_tensors
+
+if TYPE_CHECKING:
+    from edgepfl.engine.rounds import Rounds
+
+CHECKPOINT = "checkpoint.safetensors"
+
+
+# -- side work after each round -----------------------------------------------------------
+class Hook:
+    """Side work of a run, called by ``drive``: ``after_round`` with the round's metrics
+    row once the round is complete, ``after_run`` once the last round is done (not when
+    the run fails), ``close`` always, last."""
+
+    def after_round(self, rounds: Rounds, row: dict) -> None:
+        return None
+
+    def after_run(self, rounds: Rounds) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class MetricsFile(Hook):
+    """metrics.csv rewritten whole after each round (so that a run cut off mid-write
+    leaves the previous one), and failures.csv once a client has failed."""
+
+    def __init__(self, out: Path, columns: list[str] = METRIC_COLUMNS):
+        self.out, self.columns = out, columns
+
+    def after_round(self, rounds: Rounds, row: dict) -> None:
+        metrics = rounds.metrics
+        write_csv(self.out / "metrics.csv", metric_columns(metrics, self.columns), metrics)
+        if rounds.ledger.failure_log:
+            write_csv(self.out / "failures.csv", ["round", "step", "client", "reason"],
+                      rounds.ledger.failure_log)
+
+
+class CheckpointPolicy:
+    """When to write a checkpoint (``output.checkpoint_every``): every k rounds, or under
+    ``auto`` once the rounds since the last one took ``RATIO`` times as long as writing it,
+    so that checkpoints cost at most about 1 / RATIO of a run whatever the state's size."""
+
+    RATIO = 10.0
+
+    def __init__(self, every: int | str):
+        self.every = every
+        self.cost = 0.0  # seconds the last checkpoint took to write
+        self.since = time.perf_counter()
+
+    def due(self, rnd: int, last: int) -> bool:
+        if self.every == "never":
+            return False
+        if rnd == last:
+            return True
+        if self.every == "auto":
+            return time.perf_counter() - self.since >= self.RATIO * self.cost
+        return rnd % int(self.every) == 0
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.since = time.perf_counter()
+        self.cost = self.since - start
+
+
+class Checkpoints(Hook):
+    """A checkpoint whenever ``output.checkpoint_every`` says one is due, and after the
+    last round. ``clients`` adds the state the runtime keeps of its clients (the
+    simulation's; Flower's clients keep their own)."""
+
+    def __init__(self, out: Path, cfg: Config,
+                 clients: Callable[[], dict[str, torch.Tensor]] | None = None):
+        self.out, self.cfg, self.clients = out, cfg, clients
+        self.policy = CheckpointPolicy(cfg.output.checkpoint_every)
+
+    def after_round(self, rounds: Rounds, row: dict) -> None:
+        if self.policy.due(rounds.round, rounds.last_round):
+            with self.policy.writing():
+                save_checkpoint(self.out, self.cfg, rounds,
+                                self.clients() if self.clients is not None else None)
+
+
+class ProgressLine(Hook):
+    """The live line on a terminal (``engine.progress``)."""
+
+    def __init__(self, rounds: Rounds, label: str, enabled: bool | None):
+        self.bar = RoundProgress(rounds.cfg.train.rounds, rounds.round, label, enabled)
+
+    def after_round(self, rounds: Rounds, row: dict) -> None:
+        self.bar.update(rounds.round, row)
+
+    def after_run(self, rounds: Rounds) -> None:
+        self.bar.stopped(rounds.stopped)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# -- the driver ---------------------------------------------------------------------------
+def drive(rounds: Rounds, hooks: Sequence[Hook]) -> None:
+    """Run ``rounds`` to its last round (or its early stop), every hook after each round."""
+    try:
+        while not rounds.done:
+            row = rounds.step()
+            for hook in hooks:
+                hook.after_round(rounds, row)
+        for hook in hooks:
+            hook.after_run(rounds)
+    finally:
+        for hook in hooks:
+            hook.close()
+        rounds.transport.close()
+
+
+def run_rounds(rounds: Rounds, out: Path | None, *, label: str, progress: bool | None,
+               columns: list[str] = METRIC_COLUMNS,
+               clients: Callable[[], dict[str, torch.Tensor]] | None = None,
+               extra: Callable[[], dict[str, Any]] = dict,
+               hooks: Sequence[Hook] = ()) -> dict:
+    """What a runtime does with its ``Rounds``: drive it with the run directory's hooks
+    (``out``: none without one) and ``hooks`` after them, then write the finished run's
+    files. Returns the summary, with ``extra()`` taken once the rounds are done."""
+    own: list[Hook] = []
+    if out is not None:
+        own += [MetricsFile(out, columns), Checkpoints(out, rounds.cfg, clients)]
+    drive(rounds, [*own, *hooks, ProgressLine(rounds, label, progress)])
+    summary = rounds.summary(**extra())
+    if out is not None:
+        finish_run_dir(out, rounds.cfg, summary, rounds.server, rounds.metrics)
+    return summary
+
+
+# -- the run directory --------------------------------------------------------------------
+def default_run_dir(cfg: Config, base: Path = Path("runs")) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = base / f"{cfg.algorithm.name}-{cfg.dataset.name}-{stamp}"
+    k = 1
+    while path.exists():
+        k += 1
+        path = base / f"{cfg.algorithm.name}-{cfg.dataset.name}-{stamp}-{k}"
+    return path
+
+
+def finish_run_dir(out: Path, cfg: Config, summary: dict, server, metrics: list[dict]) -> None:
+    """What a finished run writes: its summary, the algorithm's artifacts, the plot."""
+    write_json(out / "summary.json", summary)
+    server.write_artifacts(out, cfg.output.plots)
+    if cfg.output.plots:
+        from edgepfl.plotting import plot_accuracy
+        plot_accuracy(metrics, out / "accuracy.png", f"{cfg.algorithm.name} on {cfg.dataset.name}")
+
+
+def save_checkpoint(out: Path, cfg: Config, rounds: Rounds,
+                    clients: Mapping[str, torch.Tensor] | None = None) -> None:
+    """The server's and edges' state, the ledger, and ``clients`` (tensors named
+    ``client/...``) in ``out``/checkpoint.safetensors, replaced whole."""
+    tensors, meta = rounds.save_state()
+    tensors.update(clients or {})
+    meta.update(config=cfg.model_dump(), edgepfl_version=__version__)
+    write_tensors(out / CHECKPOINT, tensors, meta)
+
+
+def load_checkpoint(path: Path, rounds: Rounds) -> dict[str, torch.Tensor]:
+    """Put ``rounds`` where the checkpoint at ``path`` left its run, and return the
+    checkpoint's tensors (the runtime takes its clients' state from them). A checkpoint
+    that is malformed or belongs to another configuration is refused before a thing is
+    changed."""
+    tensors, meta = read_tensors(path)
+    fed, cfg = rounds.federation, rounds.cfg
+    ledger = Ledger.from_meta(meta, fed.num_clients, fed.edges,
+                              rounds.ledger.server_state_bytes, path)
+    config = meta.get("config")
+    if not isinstance(config, dict):
+        raise EdgepflError(f"{path} is not a valid edgepfl checkpoint: its metadata is "
+                           f"malformed (config is {type(config).__name__}, not an object)")
+    # train.rounds may have grown (an extended run): nothing in a round depends on it
+    diff = config_diff(comparable(config), comparable(cfg.model_dump()))
+    if diff:
+        raise EdgepflError(f"{path} belongs to a different configuration than this "
+                           "run's:\n  " + "\n  ".join(diff))
+    if ledger.round > cfg.train.rounds:
+        raise EdgepflError(f"{path} is at round {ledger.round}, past train.rounds={cfg.train.rounds}")
+    t, stored = cfg.train, config.get("train", {})
+    # a horizon of its own (train.lr_decay_rounds) does not move with train.rounds
+    if t.lr_decay != "none" and t.lr_decay_rounds is None \
+            and stored.get("rounds", t.rounds) != t.rounds:
+        raise ConfigError(f"{path} was run with train.rounds = {stored.get('rounds')} and "
+                          f"train.lr_decay = {t.lr_decay!r}, whose rates are spread over "
+                          f"those rounds; with train.rounds = {t.rounds} its rounds so far "
+                          "would have trained at other rates, so it cannot be extended: "
+                          "start a new run (one with train.lr_decay_rounds set can be)")
+    rounds.load(ledger, tensors, meta.get("state", {}))
+    return tensors
+
+
+# -- which runs are the same run ----------------------------------------------------------
+def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Every dotted key whose value differs between two configurations, as
+    ``key: run has A, given B``."""
+    keys = sorted(set(a) | set(b))
+    out = []
+    for k in keys:
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += config_diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: run has {va!r}, given {vb!r}")
+    return out
+
+
+# how a run executes, not what it computes: a run may be resumed with other values
+EXECUTION = ("rounds", "device", "workers", "batch_clients", "store", "store_dir")
+
+
+def without_rounds(cfg: dict) -> dict:
+    """``cfg`` without the train settings of ``EXECUTION`` (the run's length and where it
+    runs), which a resumed or extended run may change."""
+    return {**cfg, "train": {k: v for k, v in cfg.get("train", {}).items()
+                             if k not in EXECUTION}}
+
+
+def with_before(cfg: dict) -> dict:
+    """A stored configuration with ``Hyperparameters.before`` filled in for the algorithm
+    settings it lacks: what a run written before those settings existed did, so that it
+    resumes doing that (``cfg["algorithm"]`` then holds at least those keys)."""
+    stored = cfg.get("algorithm")
+    stored = stored if isinstance(stored, dict) else {}
+    algo = ALGORITHMS.get(stored.get("name"))  # type: ignore[arg-type]
+    before = algo.hyperparameters.before if algo is not None else {}
+    missing = {k: v for k, v in before.items() if k not in stored}
+    return {**cfg, "algorithm": {**stored, **missing}} if missing else cfg
+
+
+def comparable(cfg: dict) -> dict:
+    """A stored configuration with the defaults of settings added since it was written
+    (a run from before ``topology`` existed was a star; a run of ``kapc`` from before
+    ``algorithm.allow_plain_norm`` existed did not lift the refusal; where such a run did
+    what is no longer the default, ``Hyperparameters.before`` says what it did: an
+    ``hmpl`` run from before ``algorithm.first_round`` trained round 1's sample), without
+    ``train.rounds``."""
+    try:
+        built = build_config(with_before(cfg))
+    except ConfigError:
+        return without_rounds(cfg)
+    full = built.model_dump()
+    # the algorithm's own settings are free keys in the configuration; its
+    # hyperparameter model has their defaults
+    algo = ALGORITHMS.get(built.algorithm.name)
+    if algo is not None:
+        try:
+            hp = algo.parse_hyperparameters(built.algorithm.hyperparameters())
+        except ConfigError:
+            pass
+        else:
+            full["algorithm"] = {"name": built.algorithm.name, **hp.model_dump()}
+    return without_rounds(full)

@@ -1,0 +1,183 @@
+"""What passes between the round loop and a runtime: a ``Transport`` carries the client
+messages (``InProcess`` in the simulation, ``FlowerTransport`` over a Flower ``Grid``)
+and returns each client's ``ClientReply`` or the ``ClientFailure`` that took its place;
+``Delivery`` is what came of one client step (``deliver``, with the injected faults),
+``Figures`` a client's evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from edgepfl.config import Config, FaultsConfig
+from edgepfl.engine.schedule import can_stop_early
+from edgepfl.errors import ConfigError, EdgepflError
+from edgepfl.federation.faults import draw_faults
+from edgepfl.federation.messages import Message
+from edgepfl.system import SystemModel
+
+log = logging.getLogger("edgepfl")
+
+
+@dataclass
+class ClientReply:
+    message: Message
+    num_samples: int
+    stats: dict[str, float] = field(default_factory=dict)
+    flops: int | None = None  # counted local-training FLOPs (None: not measured)
+
+
+class TooFewReplies(EdgepflError):
+    """Fewer usable replies than ``faults.min_replies`` asks: the round cannot go on."""
+
+
+class ClientFailure(Exception):
+    """A client that was sent its message and did not reply usably (an error reply, no
+    reply within the timeout, records that are not a message): what a transport returns
+    in place of its ``ClientReply``."""
+
+
+@dataclass
+class Delivery:
+    """What came of one client step: ``replies`` of every client that received its message
+    and trained, of which the ``late`` ones missed the deadline; ``dropped`` never replied."""
+
+    replies: dict[int, ClientReply]
+    dropped: frozenset[int] = frozenset()
+    late: frozenset[int] = frozenset()
+    slowdown: dict[int, float] = field(default_factory=dict)
+    deadline: float | None = None
+    rejected: dict[int, str] = field(default_factory=dict)  # client -> why its reply was refused
+    lost: dict[int, str] = field(default_factory=dict)  # sent, but no reply came back
+
+    @property
+    def arrived(self) -> dict[int, ClientReply]:
+        """The replies the server aggregates."""
+        return {c: r for c, r in self.replies.items()
+                if c not in self.late and c not in self.rejected}
+
+    @property
+    def failed(self) -> list[int]:
+        return sorted(self.dropped | self.late | set(self.rejected) | set(self.lost))
+
+    def bytes_down(self, down: Mapping[int, Message], clients: list[int]) -> dict[int, int]:
+        """Downloads of ``clients`` that were sent (a dropped client received nothing)."""
+        return {c: down[c].nbytes for c in clients
+                if c in self.replies or c in self.lost}
+
+    def bytes_up(self, clients: list[int]) -> dict[int, int]:
+        """Uploads of ``clients`` that reached the server in time, refused ones too (they
+        crossed the link); the server stops listening at the deadline."""
+        return {c: self.replies[c].message.nbytes for c in clients
+                if c in self.replies and c not in self.late}
+
+    def priced_up(self, clients: list[int]) -> dict[int, int]:
+        """Uploads as sent, late ones too: they occupy the link until the deadline."""
+        return {c: self.replies[c].message.nbytes for c in clients if c in self.replies}
+
+    def flops(self, clients: list[int]) -> dict[int, int]:
+        return {c: self.replies[c].flops or 0 for c in clients if c in self.replies}
+
+
+@dataclass
+class Figures:
+    """A client's evaluation: correct predictions, test samples, summed loss; ``extra``
+    the (correct, summed loss) of its other named predictions (``Client.predictive``)."""
+
+    correct: int
+    count: int
+    loss: float
+    extra: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+
+class Transport(ABC):
+    """How the round's messages reach the clients and their replies come back."""
+
+    #: whether ``train`` reports each client's FLOPs (the simulation counts them)
+    counts_flops: bool = False
+
+    @abstractmethod
+    def train(self, step: int, messages: dict[int, Message]
+              ) -> dict[int, ClientReply | ClientFailure]:
+        """Deliver ``messages`` (client -> what it receives) for client step ``step`` (the
+        round in a star; (round - 1) * k2 + edge round in a hierarchy, which seeds the
+        clients' work) and return each client's reply in the order of ``messages``, or
+        the ``ClientFailure`` that took its place."""
+
+    @abstractmethod
+    def evaluate(self, rnd: int, messages: dict[int, Message | None]) -> dict[int, Figures]:
+        """Each client's personalized model on its own test split."""
+
+    def close(self) -> None:
+        """Release what the transport holds between rounds (worker processes)."""
+        return None
+
+
+def check_runtime(cfg: Config, system: SystemModel | None, flops: bool, counts_flops: bool) -> None:
+    """Refuse the settings a runtime cannot honour: ``flops``, FLOPs are counted;
+    ``counts_flops``, the transport's clients report theirs (the simulation's do)."""
+    if cfg.topology.mode == "async" and (system is None or not (flops and counts_flops)):
+        raise ConfigError("topology.mode = 'async' schedules each edge by its clients' "
+                          "simulated time, which needs the simulation's system model with "
+                          "system.count_flops = true (and is not available on Flower, "
+                          "whose time is real)")
+    t, every = cfg.train, cfg.eval.every
+    if t.early_stopping and not can_stop_early(t.rounds, every, t.early_stopping):
+        log.warning("train.early_stopping = %d needs %d evaluated rounds before the last "
+                    "to stop a run early, and train.rounds = %d with eval.every = %d has "
+                    "%d: this run will not stop early", t.early_stopping,
+                    t.early_stopping + 1, t.rounds, every, (t.rounds - 1) // every)
+    f = cfg.faults
+    if f.drop_rate or f.straggler_rate or f.deadline is not None:
+        if not counts_flops:
+            raise ConfigError("faults.drop_rate, faults.straggler_rate and faults.deadline "
+                              "inject failures into the simulation; on Flower clients fail "
+                              "for real (see flower.min_replies); set them to 0 / none")
+        timed = system is not None and (flops or system.compute_s is not None)
+        if (f.straggler_rate or f.deadline is not None) and not timed:
+            raise ConfigError("faults.straggler_rate and faults.deadline act on the clients' "
+                              "simulated time, which needs system.count_flops = true (or "
+                              "system.profile = 'wen_table2')")
+
+
+def deliver(transport: Transport, f: FaultsConfig, seed: int, system: SystemModel | None,
+            step: object, down: dict[int, Message]) -> Delivery:
+    """Send ``down`` over ``transport``, less the clients the fault model drops (``f``,
+    drawn from the run seed and the step), and mark the replies later than
+    ``faults.deadline`` by the system model's clock."""
+    faults = draw_faults(seed, step, list(down), f.drop_rate, f.straggler_rate)
+    got = transport.train(step, {c: m for c, m in down.items() if c not in faults.dropped})
+    replies = {c: r for c, r in got.items() if isinstance(r, ClientReply)}
+    delivery = Delivery(replies, faults.dropped,
+                        slowdown=dict.fromkeys(faults.stragglers, f.straggler_delay),
+                        deadline=f.deadline,
+                        lost={c: str(r) for c, r in got.items() if isinstance(r, ClientFailure)})
+    if f.deadline is not None:
+        times = system.client_times(
+            list(replies), delivery.bytes_down(down, list(replies)),
+            delivery.priced_up(list(replies)), delivery.flops(list(replies)),
+            delivery.slowdown)
+        delivery.late = frozenset(c for c, (d, t, u) in times.items() if d + t + u > f.deadline)
+    return delivery
+
+
+def client_times(delivery: Delivery, sent_down: dict[int, int], system: SystemModel | None,
+                 ) -> tuple[dict[int, float], dict[int, float]]:
+    """Each arrived client's round time (download, training, upload) and its training
+    time alone: simulated by ``system`` (given where FLOPs are counted), else as the
+    client measured its training (``train_s``, on Flower: both are that time); clients
+    with neither are left out."""
+    arrived = sorted(delivery.arrived)
+    if system is not None:
+        times = system.client_times(arrived, sent_down, delivery.bytes_up(arrived),
+                                    delivery.flops(arrived), delivery.slowdown)
+        finite = {c: p for c, p in times.items() if math.isfinite(sum(p))}
+        return ({c: d + t + u for c, (d, t, u) in finite.items()},
+                {c: t for c, (_, t, _) in finite.items()})
+    measured = {c: float(r.stats["train_s"]) for c, r in delivery.arrived.items()
+                if math.isfinite(r.stats.get("train_s", math.nan))}
+    return measured, dict(measured)
