@@ -271,7 +271,7 @@ def test_the_summary_says_which_machine_and_torch_computed_the_run(tmp_path):
 
 def test_a_diverged_client_is_reported_once_and_a_sound_run_is_not(caplog):
     """A blown-up local training shows in the log when it happens, not only as a later
-    accuracy collapse that reads like the method's (ClusterFL at lr 0.05, bench/README)."""
+    accuracy collapse that reads like the method's (ClusterFL at lr 0.05, bench/papers/README.md)."""
     sound = Simulation(fast_config("train.rounds=2"), progress=False)
     with caplog.at_level("WARNING", logger="edgepfl"):
         sound.run()

@@ -68,7 +68,7 @@ def settings_of(cfg: dict) -> dict:
     """``settings`` of a configuration given as a dict (stored or asked for)."""
     import warnings
 
-    from edgepfl.config import comparable
+    from edgepfl.engine.rundir import comparable
 
     with warnings.catch_warnings():  # an ablation's settings warn each time they are read
         warnings.simplefilter("ignore")
@@ -79,7 +79,7 @@ def settings_of(cfg: dict) -> dict:
 
 
 def check_same_settings(what: str, dirs: list[Path]) -> None:
-    from edgepfl.config import config_diff
+    from edgepfl.engine.rundir import config_diff
 
     first = settings(dirs[0])
     for other in dirs[1:]:
@@ -95,7 +95,7 @@ def unnamed_settings(cfg: dict, label: str) -> str:
     """' (lam=1.0)' for the algorithm settings of ``cfg`` that differ from today's defaults
     and are not spelled in the run's ``label``; '' when there are none."""
     from edgepfl.algorithms import ALGORITHMS
-    from edgepfl.config import with_before
+    from edgepfl.engine.rundir import with_before
     from edgepfl.errors import ConfigError
 
     stored = dict(with_before(cfg).get("algorithm", {}))  # what a run from before a setting did

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from grid_runs import settings_of
 
-from edgepfl.config import build_config, config_diff
+from edgepfl.config import build_config
 from edgepfl.engine.parts import resolve
+from edgepfl.engine.rundir import config_diff
 
 
 def main() -> int:

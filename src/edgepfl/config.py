@@ -150,13 +150,13 @@ class TrainConfig(_Section):
         "with torch.func.vmap (clients whose algorithm states its training as a fit request: "
         "fedavg, fedprox, local, kapc, kapc_bls, dcpfl, fedamp, clusterfl; models without "
         "BatchNorm or dropout; others train one after another); weights equal the sequential "
-        "run's within float tolerance; pays on a GPU, not on a CPU (bench/README.md); needs "
+        "run's within float tolerance; pays on a GPU, not on a CPU (bench/speed/README.md); needs "
         "train.workers = 1")
     store: Literal["memory", "disk"] = Field(
         "memory", description="where per-client state lives (the clients' models and what a "
         "server keeps per client, e.g. KAPC's uploads and relation cube): memory, or disk = "
         "files mapped into memory, for federations whose state exceeds the machine's memory; "
-        "the same results either way (README, 'Many clients: state on disk')")
+        "the same results either way (docs/user-guide.md, 'Many clients: state on disk')")
     store_dir: str | None = Field(
         None, description="train.store = disk: the folder for its files (deleted as they are "
         "made, freed when the run ends); default the run directory, else the temp folder")

@@ -35,7 +35,7 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]],
     out: State = {name: t.clone() for name, t in states[0].items() if not t.is_floating_point()}
     names = [name for name, t in states[0].items() if t.is_floating_point()]
     # running sum in place: stacking N models first costs an N-model copy and is ~10x
-    # slower at 100 clients (bench/README.md, server time)
+    # slower at 100 clients (bench/speed/README.md, server time)
     acc = torch._foreach_mul([states[0][n] for n in names], w[0])
     for state, wi in zip(states[1:], w[1:], strict=True):
         torch._foreach_add_(acc, [state[n] for n in names], alpha=wi)

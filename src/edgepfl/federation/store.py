@@ -110,7 +110,7 @@ class Stacks:
             return
         raise ConfigError(
             f"{what} needs {nbytes / 1e9:.1f} GB and this machine has {available / 1e9:.1f} GB "
-            f"of memory available: set train.store = disk (files mapped into memory; README, "
+            f"of memory available: set train.store = disk (files mapped into memory; docs/user-guide.md, "
             f"'Many clients'), or run fewer clients (partition.clients)")
 
     def copy(self, value: torch.Tensor) -> torch.Tensor:
