@@ -38,7 +38,7 @@ def resumed_and_straight(tmp_path, *overrides: str):
     return resumed, straight
 
 
-def crash_after(sim, rounds: int, monkeypatch) -> None:
+def crash_after(sim, rounds: int, monkeypatch, hooks=()) -> None:
     """Run ``sim`` until it is interrupted in the round after ``rounds`` (a crash)."""
     real_step = sim.rounds.step
 
@@ -49,7 +49,7 @@ def crash_after(sim, rounds: int, monkeypatch) -> None:
 
     monkeypatch.setattr(sim.rounds, "step", crash)
     with pytest.raises(KeyboardInterrupt):
-        sim.run()
+        sim.run(hooks)
 
 
 def forget_algorithm_setting(run_dir: Path, key: str) -> dict:

@@ -293,3 +293,29 @@ def test_a_server_that_chooses_impossible_participants_is_stopped(monkeypatch):
             sim.step()
     monkeypatch.setattr(sim.server, "participants", lambda rnd, sampled: [0, 1, 2, 3, 4, 5])
     assert sim.step()["clients"] == 6
+
+
+def test_a_hook_sees_every_round_and_is_closed_when_the_run_fails(monkeypatch):
+    from edgepfl.engine.rundir import Hook
+
+    class Tally(Hook):
+        def __init__(self):
+            self.rows, self.finished, self.closed = [], 0, 0
+
+        def after_round(self, rounds, row):
+            self.rows.append((rounds.round, row["round"], len(rounds.metrics)))
+
+        def after_run(self, rounds):
+            self.finished += 1
+
+        def close(self):
+            self.closed += 1
+
+    whole = Tally()
+    Simulation(fast_config("train.rounds=3"), progress=False).run(hooks=[whole])
+    assert (whole.rows, whole.finished, whole.closed) == ([(1, 1, 1), (2, 2, 2), (3, 3, 3)], 1, 1)
+
+    cut = Tally()
+    sim = Simulation(fast_config("train.rounds=3"), progress=False)
+    crash_after(sim, 1, monkeypatch, hooks=[cut])
+    assert (cut.rows, cut.finished, cut.closed) == ([(1, 1, 1)], 0, 1)
