@@ -7,11 +7,11 @@ import torch
 
 from edgepfl.algorithms import ALGORITHMS, ServerContext, get_algorithm
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.fedprox import proximal_hook
-from edgepfl.algorithms.training import weighted_average
+from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.config import TrainConfig
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
+from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models import LayerSpec
 from tests.conftest import fast_config

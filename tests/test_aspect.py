@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.algorithms import ALGORITHMS
+from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.heterofl import HeteroFLClient
-from edgepfl.algorithms.training import ClientData, Trainer
+from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import build_config
 from edgepfl.data.aspect import PAPER_RATIOS, Crops, crop_size, cut, parse_ratios
 from edgepfl.engine.parts import load_federation, resolve

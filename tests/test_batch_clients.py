@@ -8,14 +8,18 @@ import pytest
 import torch
 
 from edgepfl.algorithms.base import states_fit
+from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.clusterfl import ClusterFLClient
 from edgepfl.algorithms.dcpfl import DCPFLClient
 from edgepfl.algorithms.fedamp import FedAMPClient
 from edgepfl.algorithms.fedavg import FedAvgClient
-from edgepfl.algorithms.fedprox import FedProxClient, proximal_hook
+from edgepfl.algorithms.fedprox import FedProxClient
 from edgepfl.algorithms.kapc import KAPCBLSClient, KAPCClient
+from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.algorithms.moon import MOONClient
-from edgepfl.algorithms.training import ClientData, FitRequest, Pull, Trainer
+from edgepfl.algorithms.pulls import Pull
+from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.algorithms.trainer import Trainer
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.models import build_model

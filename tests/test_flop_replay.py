@@ -9,9 +9,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-import edgepfl.algorithms.training as training
+import edgepfl.algorithms.trainer as training
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.algorithms.training import ClientData, Trainer
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.trainer import Trainer
 from edgepfl.engine.simulation import Simulation
 from edgepfl.federation.accounting import counted_once, not_counted
 from edgepfl.system.flops import FlopMeter

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.hmpl import HMPLClient, tier_params
-from edgepfl.algorithms.training import ClientData
 from edgepfl.engine.parts import resolve
 from edgepfl.engine.rounds import metric_columns
 from edgepfl.engine.simulation import Simulation

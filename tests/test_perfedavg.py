@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.client_data import ClientData
 from edgepfl.engine.simulation import Simulation
 from edgepfl.federation.messages import Message
 from tests.conftest import fast_config

@@ -7,9 +7,10 @@ from torch import nn
 
 from edgepfl.algorithms import ALGORITHMS, get_algorithm
 from edgepfl.algorithms.base import ClientContext, ServerContext, model_from_state
+from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
 from edgepfl.algorithms.pfedme import PFedMeClient, PFedMeHyperparameters, PFedMeServer
-from edgepfl.algorithms.training import ClientData, Trainer
+from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import TrainConfig
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError

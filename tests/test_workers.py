@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from edgepfl.algorithms.training import select_device, server_device
+from edgepfl.algorithms.devices import select_device, server_device
 from edgepfl.config import build_config
 from edgepfl.engine.simulation import CHECKPOINT, Simulation, resume_run
 from edgepfl.engine.workers import worker_count

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from edgepfl.algorithms.training import ClientData, FitRequest, Trainer
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import TrainConfig
 from edgepfl.federation.aggregate import ParamIndex
 from edgepfl.federation.messages import Message, check_entries

@@ -44,9 +44,11 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.local import fit, sgd_request
-from edgepfl.algorithms.training import ClientData, FitRequest, weighted_average
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.kit import fit, sgd_request
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.errors import ConfigError
+from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import (
     COUNT,
     NONNEGATIVE,

@@ -30,9 +30,9 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.fedprox import proximal_hook
-from edgepfl.algorithms.local import sgd_request
-from edgepfl.algorithms.training import ClientData, FitRequest
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.kit import proximal_hook, sgd_request
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError, check_message
 

@@ -24,10 +24,10 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.local import sgd_request
-from edgepfl.algorithms.training import ClientData, FitRequest
-from edgepfl.federation.aggregate import ParamIndex, weighted_average
-from edgepfl.federation.messages import COUNT, Message, MessageError, check_message
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.kit import average_models, check_model_reply, sgd_request
+from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.federation.messages import Message, MessageError
 
 
 class FedAvgHyperparameters(Hyperparameters):
@@ -35,34 +35,6 @@ class FedAvgHyperparameters(Hyperparameters):
         "global", description="predict with the global model (FedAvg as published) or with the "
         "client's own model after its latest local training (how several pFL papers report "
         "FedAvg/FedProx)")
-
-
-def num_samples(cid: int, reply: Message) -> int:
-    """A reply's sample count, checked (it weights the client's model in every average)."""
-    reply.require("num_samples")
-    n = reply.meta["num_samples"]
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise MessageError(f"client {cid} sent num_samples = {n!r}; expected an integer >= 0")
-    return n
-
-
-def average_models(ctx: ServerContext, index: ParamIndex | None, previous: State,
-                   replies: dict[int, Message]) -> State:
-    """FedAvg's step: the sample-weighted mean of the replies' models (checked by
-    ``check_model_reply``), each parameter over the clients that hold it; ``previous``
-    when no reply carries weight."""
-    weights = {cid: num_samples(cid, reply) for cid, reply in replies.items()}
-    if not replies or sum(weights.values()) == 0:
-        return previous
-    if index is None:  # one architecture: every client holds every parameter
-        return weighted_average([r.tensors for r in replies.values()], list(weights.values()))
-    return index.average_over_holders({c: r.tensors for c, r in replies.items()}, weights,
-                                      ctx.arch_of, previous)
-
-
-def check_model_reply(cid: int, reply: Message, model: State) -> None:
-    """A FedAvg-style reply: exactly the tensors of ``model`` and the sample count."""
-    check_message(f"client {cid}", reply, model, {"num_samples": COUNT})
 
 
 class FedAvgServer(Server):

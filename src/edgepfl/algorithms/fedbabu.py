@@ -27,8 +27,8 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
+from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.training import ClientData
 from edgepfl.federation.accounting import not_counted
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec

@@ -50,8 +50,10 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData, sgd_step, to_device
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.devices import to_device
+from edgepfl.algorithms.kit import fit
+from edgepfl.algorithms.sgd import sgd_step
 from edgepfl.data.datasets import DATASETS, Dataset, load_dataset, resolve_data_root
 from edgepfl.errors import ConfigError
 from edgepfl.federation.accounting import counted_once, counter_aside

@@ -30,9 +30,9 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
+from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.kit import fit
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec

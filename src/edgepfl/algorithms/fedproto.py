@@ -32,8 +32,9 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData, classifier_module, tap_features
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.features import classifier_module, tap_features
+from edgepfl.algorithms.kit import fit
 from edgepfl.federation.messages import (
     Message,
     MessageError,

@@ -7,22 +7,16 @@ an exact zero (FedProx with mu = 0 is FedAvg bit for bit, which a test checks).
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from edgepfl.algorithms.base import Algorithm
 from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
-from edgepfl.algorithms.training import Pull
+from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.federation.messages import Message
 
 
 class FedProxHyperparameters(FedAvgHyperparameters):
     mu: float = Field(0.01, ge=0, description="proximal coefficient (FedProx paper tunes over 0.001-1)")
-
-
-def proximal_hook(mu: float, anchor: list[torch.Tensor]) -> Pull:
-    """Gradient of mu/2 ||w - anchor||^2 added in place."""
-    return Pull(mu, anchor)
 
 
 class FedProxClient(FedAvgClient):

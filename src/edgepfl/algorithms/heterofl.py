@@ -38,8 +38,10 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.fedavg import check_model_reply, num_samples
-from edgepfl.algorithms.training import ClientData, Trainer, host
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.devices import host
+from edgepfl.algorithms.kit import check_model_reply, num_samples
+from edgepfl.algorithms.trainer import Trainer
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import average_width_slices
 from edgepfl.federation.messages import Message, MessageError, like

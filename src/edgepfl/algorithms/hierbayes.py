@@ -63,9 +63,8 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.fedavg import check_model_reply
-from edgepfl.algorithms.hierfavg import STALENESS, staleness
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.kit import STALENESS, check_model_reply, staleness
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator

@@ -23,33 +23,24 @@ from __future__ import annotations
 from pydantic import Field
 
 from edgepfl.algorithms.base import Algorithm, Edge, EdgeContext, State
-from edgepfl.algorithms.fedavg import (
-    FedAvgClient,
-    FedAvgHyperparameters,
-    FedAvgServer,
+from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
+from edgepfl.algorithms.kit import (
+    STALENESS,
     average_models,
     check_model_reply,
     num_samples,
+    staleness,
 )
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import Message, MessageError
 
 KEY_SAMPLES = "key_samples"
-STALENESS = "staleness"
 
 
 class HierFAVGHyperparameters(FedAvgHyperparameters):
     staleness_exponent: float = Field(
         0.5, ge=0, description="topology.mode = async: an edge model s cloud periods old is "
         "weighted by its samples times (1 + s)^-a (FedAsync's polynomial rule); 0 ignores age")
-
-
-def staleness(edge: int, report: Message) -> int:
-    """Cloud periods since the edge's model was last refreshed by its clients (0 if absent)."""
-    s = report.meta.get(STALENESS, 0)
-    if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-        raise MessageError(f"edge {edge} sent {STALENESS} = {s!r}; expected an integer >= 0")
-    return s
 
 
 class HierFAVGCloud(FedAvgServer):

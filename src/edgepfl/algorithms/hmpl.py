@@ -58,8 +58,9 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.fedavg import num_samples
-from edgepfl.algorithms.training import ClientData, Trainer
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.kit import num_samples
+from edgepfl.algorithms.trainer import Trainer
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_entries, check_message

@@ -42,9 +42,8 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.fedavg import average_models, num_samples
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.kit import average_models, fit, num_samples
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_message, int_in, like
 from edgepfl.federation.rng import generator

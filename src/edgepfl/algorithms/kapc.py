@@ -52,8 +52,11 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.local import sgd_request
-from edgepfl.algorithms.training import ClientData, FitRequest, Pull, server_device
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.devices import server_device
+from edgepfl.algorithms.kit import sgd_request
+from edgepfl.algorithms.pulls import Pull
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError, check_message
 from edgepfl.federation.rng import derive_seed, generator

@@ -11,7 +11,6 @@ from pydantic import Field
 
 from edgepfl.algorithms.base import (
     Algorithm,
-    Client,
     Hyperparameters,
     PersonalModelClient,
     Server,
@@ -19,7 +18,9 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.training import ClientData, FitRequest, GradHook
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.kit import sgd_request
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.federation.messages import Message, MessageError, check_message
 
 EPOCHS = "epochs"
@@ -78,22 +79,6 @@ class LocalClient(PersonalModelClient):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         return self.run_update(cid, msg, state, data, gen, idle=UpdateResult(Message(), {}, {}))
-
-
-def fit(client: Client, data: ClientData, gen: torch.Generator, epochs: int | None = None,
-        **hooks) -> dict[str, float]:
-    """The run's SGD settings applied to the trainer's loaded weights."""
-    t = client.ctx.train
-    return client.trainer.fit(data, t.local_epochs if epochs is None else epochs, t.batch_size,
-                              t.lr, gen, momentum=t.momentum, weight_decay=t.weight_decay, **hooks)
-
-
-def sgd_request(client: Client, weights: State, data: ClientData, gen: torch.Generator,
-                epochs: int | None = None, grad_hook: GradHook | None = None) -> FitRequest:
-    """``fit``'s training from ``weights`` as a ``FitRequest``."""
-    t = client.ctx.train
-    return FitRequest(weights, data, t.local_epochs if epochs is None else epochs,
-                      t.batch_size, t.lr, gen, t.momentum, t.weight_decay, grad_hook)
 
 
 ALGORITHM = Algorithm(

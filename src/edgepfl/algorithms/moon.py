@@ -33,8 +33,10 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.features import classifier_module, tap_features
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.training import ClientData, Trainer, classifier_module, tap_features
+from edgepfl.algorithms.trainer import Trainer
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import derive_seed
 from edgepfl.models.layers import LayerSpec

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from edgepfl.algorithms.base import Algorithm, Client, Hyperparameters, State, UpdateResult
+from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.training import ClientData
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 

@@ -46,8 +46,9 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.fedavg import check_model_reply, num_samples
-from edgepfl.algorithms.training import ClientData, host, to_device
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.devices import host, to_device
+from edgepfl.algorithms.kit import check_model_reply, num_samples
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator

@@ -32,8 +32,8 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.local import fit
-from edgepfl.algorithms.training import ClientData
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.kit import fit
 from edgepfl.federation.messages import Message, MessageError, check_message
 from edgepfl.federation.rng import derive_seed
 

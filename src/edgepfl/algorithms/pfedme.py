@@ -37,9 +37,10 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.fedavg import FedAvgServer, average_models
-from edgepfl.algorithms.fedprox import proximal_hook
-from edgepfl.algorithms.training import ClientData, to_device
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.devices import to_device
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.algorithms.kit import average_models, proximal_hook
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 

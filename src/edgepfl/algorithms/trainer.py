@@ -1,0 +1,162 @@
+"""Local training on one module skeleton, shared by every algorithm.
+
+Peers lose most of their time outside the arithmetic: a model object per client, a
+DataLoader per client, data re-wrapped every round. Here a client's data is an index
+view into the one dataset tensor (``client_data``), and a client's weights are copied
+into a single skeleton module before it trains and copied out after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgepfl.algorithms.batched import BatchedTraining
+from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.devices import host, to_device
+from edgepfl.algorithms.evaluation import Evaluation
+from edgepfl.algorithms.sgd import FitRequest, GradHook, LossHook, State, fit_stats, sgd_step
+from edgepfl.federation.accounting import counted_once, counter_aside
+
+
+def _has_conv(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+class Trainer(BatchedTraining, Evaluation):
+    """One module skeleton that every client's weights pass through: one client's fit
+    here, several clients' fits at once (``fit_many``) in ``batched``, evaluation in
+    ``evaluation``.
+
+    Convolutional models run in channels-last memory layout: oneDNN's NCHW kernels for
+    max pooling and convolution backward are up to twice as slow on CPU for the small
+    batches of federated clients (bench/README.md). The layout changes strides only,
+    never values' meaning; weights leave the skeleton in the default layout, so messages,
+    stores and checkpoints never see it.
+    """
+
+    def __init__(self, model: nn.Module, eval_batch_size: int = 1024,
+                 channels_last: bool | None = None, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.channels_last = _has_conv(model) if channels_last is None else channels_last
+        model = model.to(self.device)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
+        self.param_names = list(self.params)
+        self.state_names = self.param_names + list(self.buffers)
+        self.eval_batch_size = eval_batch_size
+        self._loaded: object | None = None
+        # (FLOPs, the part left out) of a step's hook-free passes per (parameters with
+        # gradients, batch shape) and update per (parameters, first step): functions of
+        # this skeleton's architecture and those alone, shared by clients (``counted_once``)
+        self._step_flops: dict[object, tuple[int, int]] = {}
+
+    # -- weights in and out of the skeleton ---------------------------------------
+    def load(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy ``state`` into the skeleton (a partial state needs ``strict=False``)."""
+        if strict:
+            missing = [n for n in self.state_names if n not in state]
+            if missing:
+                raise KeyError(f"model state lacks {missing}")
+        with torch.no_grad():
+            for name, value in state.items():
+                target = self.params.get(name)
+                if target is None:
+                    target = self.buffers.get(name)
+                if target is None:
+                    raise KeyError(f"model has no parameter or buffer {name!r}")
+                target.copy_(value)
+        self._loaded = None
+
+    def export(self, names: Sequence[str] | None = None) -> State:
+        names = self.state_names if names is None else names
+        return {n: host((self.params.get(n) if n in self.params else self.buffers[n]).detach())
+                for n in names}
+
+    def layout(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch on the skeleton's device and in its memory layout (the layout is a no-op
+        for one-channel images)."""
+        x = to_device(x, self.device)
+        if self.channels_last and x.dim() == 4:
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def place(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (anchors from a message, targets of a loss) on the skeleton's device,
+        for a hook that meets them with its parameters; on the CPU, the same tensors."""
+        return [to_device(t, self.device) for t in tensors]
+
+    def forget(self) -> None:
+        self._loaded = None
+
+    # -- training ----------------------------------------------------------------------
+    def fit(self, data: ClientData, epochs: int, batch_size: int, lr: float,
+            gen: torch.Generator, momentum: float = 0.0, weight_decay: float = 0.0,
+            grad_hook: GradHook | None = None, loss_hook: LossHook | None = None,
+            trainable: Sequence[str] | None = None) -> dict[str, float]:
+        """SGD on the loaded weights; returns the mean training loss and step count.
+
+        ``grad_hook(params, grads)`` may add terms to the gradients in place (in the order
+        of ``trainable``, default all parameters); ``loss_hook(model, logits, x, y)``
+        returns an extra differentiable loss term.
+        """
+        self._loaded = None
+        model = self.model
+        model.train()
+        names = self.param_names if trainable is None else list(trainable)
+        params = [self.params[n] for n in names]
+        frozen = [p for n, p in self.params.items() if n not in set(names)]
+        for p in frozen:
+            p.requires_grad_(False)
+        bufs: list[torch.Tensor] | None = None
+        loss_sum = torch.zeros((), device=self.device)
+        seen = 0
+        steps = 0
+        # A fit's steps differ only in batch shape (and momentum's first step): the FLOP
+        # meter counts one step per shape and lets the rest run outside its counter. The
+        # forward and backward passes of a step without a loss hook depend on nothing else
+        # but which parameters get gradients, and the update without a gradient hook on
+        # nothing at all, so those counts are shared across clients; a hook may do work of
+        # its own, so the part with a hook keeps its counts to this fit.
+        graded = tuple(n for n, p in self.params.items() if p.requires_grad)
+        shared = self._step_flops
+        passes, passes_store = (("passes", graded), shared) if loss_hook is None else (object(), None)
+        update, update_store = (("update", graded), shared) if grad_hook is None else (object(), None)
+        try:
+            with counter_aside():  # drawing batches counts no FLOPs: no dispatch through it
+                for _ in range(epochs):
+                    for xb, yb in data.batches(batch_size, gen):
+                        with counted_once((passes, tuple(xb.shape)), passes_store):
+                            xb, yb = self.layout(xb), to_device(yb, self.device)
+                            logits = model(xb)
+                            loss = F.cross_entropy(logits, yb)
+                            total = (loss if loss_hook is None
+                                     else loss + loss_hook(model, logits, xb, yb))
+                            for p in params:
+                                p.grad = None
+                            total.backward()
+                            loss_sum += loss.detach() * yb.numel()
+                        with counted_once((update, bufs is None), update_store):
+                            bufs = sgd_step(params, lr, momentum, weight_decay, bufs, grad_hook)
+                        seen += yb.numel()
+                        steps += 1
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+            for p in params:
+                p.grad = None
+        return fit_stats(float(loss_sum), seen, steps)
+
+    def run(self, request: FitRequest) -> tuple[State, dict[str, float]]:
+        """``request`` trained on this skeleton: the weights it ends with and fit's stats."""
+        self.load(request.weights)
+        stats = self.fit(request.data, request.epochs, request.batch_size, request.lr,
+                         request.gen, momentum=request.momentum,
+                         weight_decay=request.weight_decay, grad_hook=request.grad_hook)
+        return self.export(), stats
