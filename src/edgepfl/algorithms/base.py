@@ -273,6 +273,19 @@ def check_model_entries(ctx: ServerContext, cid: int, reply: Message) -> None:
 
 
 class Client(ABC):
+    # Whether the engine may train this client together with others (train.batch_clients):
+    # declared by a client whose ``update`` is ``run_update`` whenever its ``fit_request``
+    # gives a request, so that training the request elsewhere and calling ``finish`` is
+    # the update itself.
+    batchable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a rewritten update need not be the fit_request and finish it inherits: batching
+        # it would skip the rewrite, unless the subclass declares it batchable again
+        if "update" in vars(cls) and "batchable" not in vars(cls):
+            cls.batchable = False
+
     def __init__(self, ctx: ClientContext, hp: Any):
         self.ctx = ctx
         self.hp = hp
@@ -282,17 +295,19 @@ class Client(ABC):
         """State of a client before its first round (default: none)."""
         return {}
 
-    @abstractmethod
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult: ...
+               gen: torch.Generator) -> UpdateResult:
+        """Client ``cid``'s round: its reply to ``msg`` and its new state. The default is
+        the plain fit, ``run_update``; a client whose round is more rewrites this."""
+        return self.run_update(cid, msg, state, data, gen)
 
     def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
                     gen: torch.Generator) -> FitRequest | None:
         """This update's local training as a ``FitRequest``, for a client whose ``update``
         is "start from some weights, ``fit``, reply from the weights it ends with" and says
-        so by defining this and ``finish`` (``update`` then reads ``run_update``). The
-        engine may then train the client together with others (``train.batch_clients``).
-        None (the default, or for this message): ``update`` runs whole."""
+        so by defining this and ``finish``. Declared ``batchable``, the engine may then
+        train the client together with others (``train.batch_clients``). None (the
+        default, or for this message): ``update`` runs whole."""
         return None
 
     def finish(self, cid: int, msg: Message, state: State, data: ClientData,
@@ -300,16 +315,19 @@ class Client(ABC):
         """The update's result from its ``fit_request``'s trained weights and stats."""
         raise NotImplementedError(f"{type(self).__name__} has a fit_request but no finish")
 
+    def idle(self, cid: int, msg: Message, state: State) -> UpdateResult:
+        """The update's result when its ``fit_request`` asks for no training (the default:
+        a client that always trains has none)."""
+        raise RuntimeError(f"{type(self).__name__} requested no training and "
+                           "gave no idle result")
+
     def run_update(self, cid: int, msg: Message, state: State, data: ClientData,
-                   gen: torch.Generator, idle: UpdateResult | None = None) -> UpdateResult:
-        """``update`` of a client that states its training: its request trained on the
-        client's trainer, then ``finish``; ``idle`` when it requests no training."""
+                   gen: torch.Generator) -> UpdateResult:
+        """The plain fit: the update's request trained on the client's trainer, then
+        ``finish``; ``idle`` when it requests no training."""
         request = self.fit_request(cid, msg, state, data, gen)
         if request is None:
-            if idle is None:
-                raise RuntimeError(f"{type(self).__name__} requested no training and "
-                                   "gave no idle result")
-            return idle
+            return self.idle(cid, msg, state)
         return self.finish(cid, msg, state, data, *self.trainer.run(request))
 
     @abstractmethod
@@ -326,13 +344,9 @@ class Client(ABC):
 
 
 def states_fit(client: Client) -> bool:
-    """Whether ``client``'s update is its ``fit_request`` and ``finish``: both defined by
-    the class that defines its ``update`` (a subclass that rewrites ``update`` alone
-    keeps its own update and is never batched)."""
-    def owner(name: str) -> type:
-        return next(c for c in type(client).__mro__ if name in c.__dict__)
-
-    return owner("fit_request") is not Client and owner("fit_request") is owner("update")
+    """Whether ``client``'s update is its ``fit_request`` and ``finish``, which the engine
+    may then batch: what its class declares (``Client.batchable``)."""
+    return type(client).batchable
 
 
 class PersonalModelClient(Client):

@@ -255,6 +255,8 @@ class ClusterFLServer(Server):
 
 # -- client ----------------------------------------------------------------------------------
 class ClusterFLClient(PersonalModelClient):
+    batchable = True
+
     def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
                     gen: torch.Generator) -> FitRequest:
         names = self.trainer.param_names
@@ -273,10 +275,6 @@ class ClusterFLClient(PersonalModelClient):
         upload = bool(msg.tensors) or bool(msg.meta.get("upload", False))
         reply = Message({n: trained[n] for n in self.trainer.param_names}) if upload else Message()
         return UpdateResult(reply, model_to_state(trained), stats)
-
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
-        return self.run_update(cid, msg, state, data, gen)
 
 
 ALGORITHM = Algorithm(

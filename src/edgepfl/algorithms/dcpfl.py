@@ -631,6 +631,10 @@ def plot_group_graph(z: np.ndarray, gamma_global: float, cuts: list[float], path
 
 # -- client ---------------------------------------------------------------------------------
 class DCPFLClient(PersonalModelClient):
+    # a trial round trains two models (no fit request: its update runs whole); every other
+    # round is the plain fit
+    batchable = True
+
     def _loss(self, state: State, data: ClientData) -> float:
         if data.n == 0:
             return 0.0

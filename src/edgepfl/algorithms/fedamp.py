@@ -121,6 +121,8 @@ class FedAMPServer(Server):
 
 
 class FedAMPClient(PersonalModelClient):
+    batchable = True
+
     def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
                     gen: torch.Generator) -> FitRequest:
         missing = set(self.trainer.param_names) - set(msg.tensors)
@@ -134,10 +136,6 @@ class FedAMPClient(PersonalModelClient):
     def finish(self, cid: int, msg: Message, state: State, data: ClientData,
                trained: State, stats: dict[str, float]) -> UpdateResult:
         return UpdateResult(Message(trained), model_to_state(trained), stats)
-
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
-        return self.run_update(cid, msg, state, data, gen)
 
 
 ALGORITHM = Algorithm(

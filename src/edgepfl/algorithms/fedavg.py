@@ -71,6 +71,8 @@ class FedAvgServer(Server):
 
 
 class FedAvgClient(Client):
+    batchable = True
+
     def init_state(self, cid: int, init_model: State) -> State:
         if self.hp.evaluate == "local":
             return model_to_state(init_model)
@@ -88,12 +90,8 @@ class FedAvgClient(Client):
                trained: State, stats: dict[str, float]) -> UpdateResult:
         if self.hp.evaluate == "local":
             state = model_to_state(trained)
-        return UpdateResult(Message(trained, {"num_samples": data.n}), state, stats)
-
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
         # the global model, trained on the client's data, goes back with its sample count
-        return self.run_update(cid, msg, state, data, gen)
+        return UpdateResult(Message(trained, {"num_samples": data.n}), state, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if self.hp.evaluate == "local":

@@ -603,6 +603,7 @@ def coaching_hook(lam: float, targets: list[torch.Tensor], loss: str,
 class KAPCClient(PersonalModelClient):
     """Personal model kept in state as ``model.<name>``, as ``local`` does."""
 
+    batchable = True
     bls = False
 
     def __init__(self, ctx: ClientContext, hp: KAPCHyperparameters):
@@ -660,10 +661,6 @@ class KAPCClient(PersonalModelClient):
             hook = coaching_hook(self.hp.lam, self.trainer.place(targets), self.hp.coaching_loss,
                                  self.groups)
         return sgd_request(self, previous, data, gen, grad_hook=hook)
-
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
-        return self.run_update(cid, msg, state, data, gen)
 
     def finish(self, cid: int, msg: Message, state: State, data: ClientData,
                trained: State, stats: dict[str, float]) -> UpdateResult:

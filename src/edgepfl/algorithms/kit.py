@@ -2,8 +2,8 @@
 
 * Local training with the run's SGD settings (``train.*``): ``fit`` trains the weights
   loaded in the client's trainer; ``sgd_request`` states the same training as a
-  ``FitRequest``, for a client whose update is its ``fit_request`` and ``finish``.
-  ``proximal_hook`` pulls the weights towards an anchor.
+  ``FitRequest``, for a client whose update is its ``fit_request`` and ``finish``
+  (``Client.batchable``). ``proximal_hook`` pulls the weights towards an anchor.
 * FedAvg-style replies (a model and its sample count): ``check_model_reply`` checks
   one, ``num_samples`` reads its weight, ``average_models`` averages them.
 * The asynchronous hierarchy's edge reports: how stale an edge's model is

@@ -61,6 +61,8 @@ class LocalServer(Server):
 
 
 class LocalClient(PersonalModelClient):
+    batchable = True
+
     def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
                     gen: torch.Generator) -> FitRequest | None:
         epochs = self.ctx.train.local_epochs
@@ -76,9 +78,9 @@ class LocalClient(PersonalModelClient):
                trained: State, stats: dict[str, float]) -> UpdateResult:
         return UpdateResult(Message(), model_to_state(trained), stats)
 
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
-        return self.run_update(cid, msg, state, data, gen, idle=UpdateResult(Message(), {}, {}))
+    def idle(self, cid: int, msg: Message, state: State) -> UpdateResult:
+        # the budget is spent: nothing to send, and no state entry is rewritten
+        return UpdateResult(Message(), {}, {})
 
 
 ALGORITHM = Algorithm(
