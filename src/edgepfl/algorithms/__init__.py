@@ -1,9 +1,33 @@
-"""Algorithm registry: one module per algorithm, each exporting ``ALGORITHM``."""
+"""Algorithm registry: one module per algorithm, each exporting ``ALGORITHM`` (or
+``ALGORITHMS`` for a family). The order below is the order every listing shows."""
 
 from __future__ import annotations
 
-import importlib
-
+from edgepfl.algorithms import (
+    clusterfl,
+    dcpfl,
+    fedamp,
+    fedavg,
+    fedbabu,
+    fedbn,
+    fedmd,
+    fedper,
+    fedproto,
+    fedprox,
+    heterofl,
+    hierbayes,
+    hierfavg,
+    hmpl,
+    hypcluster,
+    kapc,
+    l2sgd,
+    local,
+    moon,
+    perfedavg,
+    pfedbayes,
+    pfedla,
+    pfedme,
+)
 from edgepfl.algorithms.base import (
     Algorithm,
     Client,
@@ -15,38 +39,31 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.errors import ConfigError
 
-# One line per module; a module exports ALGORITHM, or ALGORITHMS for a family.
-_MODULES = [
-    "local",
-    "fedavg",
-    "fedprox",
-    "kapc",
-    "dcpfl",
-    "perfedavg",
-    "fedbn",
-    "fedbabu",
-    "moon",
-    "fedamp",
-    "fedproto",
-    "fedmd",
-    "pfedla",
-    "clusterfl",
-    "hierfavg",
-    "hierbayes",
-    "pfedbayes",
-    "heterofl",
-    "fedper",
-    "hypcluster",
-    "pfedme",
-    "l2sgd",
-    "hmpl",
-]
-
-ALGORITHMS: dict[str, Algorithm] = {}
-for _name in _MODULES:
-    _module = importlib.import_module(f"edgepfl.algorithms.{_name}")
-    for _algo in getattr(_module, "ALGORITHMS", None) or (_module.ALGORITHM,):
-        ALGORITHMS[_algo.name] = _algo
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    local.ALGORITHM,
+    fedavg.ALGORITHM,
+    fedprox.ALGORITHM,
+    *kapc.ALGORITHMS,
+    dcpfl.ALGORITHM,
+    *perfedavg.ALGORITHMS,
+    fedbn.ALGORITHM,
+    fedbabu.ALGORITHM,
+    moon.ALGORITHM,
+    fedamp.ALGORITHM,
+    fedproto.ALGORITHM,
+    fedmd.ALGORITHM,
+    pfedla.ALGORITHM,
+    clusterfl.ALGORITHM,
+    hierfavg.ALGORITHM,
+    hierbayes.ALGORITHM,
+    pfedbayes.ALGORITHM,
+    heterofl.ALGORITHM,
+    fedper.ALGORITHM,
+    hypcluster.ALGORITHM,
+    pfedme.ALGORITHM,
+    l2sgd.ALGORITHM,
+    *hmpl.ALGORITHMS,
+)}
 
 
 def get_algorithm(name: str) -> Algorithm:
