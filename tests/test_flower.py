@@ -31,8 +31,8 @@ from edgepfl.engine.flower import (  # noqa: E402
     run_local,
     to_content,
 )
-from edgepfl.engine.transport import TooFewReplies  # noqa: E402
 from edgepfl.engine.simulation import METRIC_COLUMNS, Simulation  # noqa: E402
+from edgepfl.engine.transport import TooFewReplies  # noqa: E402
 from edgepfl.errors import ConfigError, EdgepflError  # noqa: E402
 from edgepfl.federation.messages import Message, MessageError  # noqa: E402
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.engine.transport import ClientFailure, ClientReply
 from edgepfl.engine.simulation import Simulation
+from edgepfl.engine.transport import ClientFailure, ClientReply
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.topology import CLOUD
 from tests.conftest import fast_config
