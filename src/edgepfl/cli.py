@@ -73,8 +73,18 @@ def _print_summary(summary: dict, out: Path | None) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="edgepfl")
-def main() -> None:
-    """Personalized federated learning on heterogeneous edge devices."""
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True,
+              help="the package's log on standard error (warnings, a run stopping early, "
+              "a Flower run resuming); per-round lines go where output is kept")
+def main(log_level: str) -> None:
+    """Personalized federated learning on heterogeneous edge devices.
+
+    On a terminal a run shows a live line; with its output redirected (a file, a pipe, a
+    batch job) it writes one line per evaluated round instead."""
+    from edgepfl.engine.progress import configure_logging
+
+    configure_logging(log_level)
 
 
 @main.command()

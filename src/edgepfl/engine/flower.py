@@ -79,6 +79,7 @@ from edgepfl.data.partition import Partition
 from edgepfl.engine.client_step import client_split, client_step, evaluate_client
 from edgepfl.engine.ledger import METRIC_COLUMNS
 from edgepfl.engine.parts import Parts, load_federation, resolve
+from edgepfl.engine.progress import configure_logging
 from edgepfl.engine.rounds import Rounds
 from edgepfl.engine.rundir import CHECKPOINT, load_checkpoint, run_rounds
 from edgepfl.engine.transport import ClientFailure, ClientReply, Figures, Transport
@@ -601,6 +602,7 @@ server_app = ServerApp()
 
 @server_app.main()
 def _main(grid: Grid, context: Context) -> None:
+    configure_logging("info")
     run_server(grid, context.run_config, progress=None)
 
 
