@@ -270,7 +270,7 @@ ONE_SPEED = ['system.tiers=[{name="all", flops=5e9, share=1.0}]', "system.device
 
 
 def test_the_asynchronous_plan():
-    from edgepfl.engine.rounds import async_edge_rounds
+    from edgepfl.engine.schedule import async_edge_rounds
 
     assert async_edge_rounds([None, None], 2) == [2, 2]  # not timed yet: synchronous
     assert async_edge_rounds([1.0, 1.0, 1.0], 3) == [3, 3, 3]

@@ -119,6 +119,7 @@ class ReversedGrid(LocalGrid):
     ("fedavg", {"partition.clients": 5, "system.devices": "tiers",  # two architectures
                 "model.tiers.weak": "cnn_small_narrow"}, LocalGrid),
     ("hierbayes", {"partition.clients": 4, "topology.edges": 2}, ReversedGrid),  # MC figures
+    ("fedavg", {"partition.clients": 4, "eval.validation": 0.25}, LocalGrid),  # val_* figures
 ])
 def test_flower_run_equals_the_simulation(algorithm, extra, grid, monkeypatch):
     """The same algorithm objects, seeds and data: every round's figures are identical,

@@ -28,7 +28,7 @@ def test_client_best_averages_each_clients_own_best_round():
     assert s["acc_mean_best"] == pytest.approx(accs.mean(1).max())
     assert s["acc_client_best_mean"] >= s["acc_mean_best"]  # it can only flatter
     assert s["protocol"] == {"statistic": "client_best", "clients": "all",
-                             "acc": s["acc_client_best_mean"]}
+                             "selection": "test", "acc": s["acc_client_best_mean"]}
 
 
 def test_selected_clients_protocol_averages_each_rounds_selection():
@@ -45,7 +45,7 @@ def test_selected_clients_protocol_averages_each_rounds_selection():
     assert s["protocol"]["acc"] == s["acc_mean_selected_best"]
     # ours is the default
     assert Simulation(fast_config("train.rounds=1"), progress=False).run().summary["protocol"] == {
-        "statistic": "best_round", "clients": "all",
+        "statistic": "best_round", "clients": "all", "selection": "test",
         "acc": Simulation(fast_config("train.rounds=1"), progress=False).run().summary["acc_mean_best"]}
 
 

@@ -199,6 +199,11 @@ class EvalConfig(_Section):
         "all", description="summary's protocol figure over all clients (ours) or, per round, "
         "the clients selected that round (KAPC's client-selection scenario)")
     batch_size: int = Field(1024, ge=1, description="evaluation batch size (no effect on results)")
+    validation: float = Field(
+        0.0, ge=0.0, lt=1.0, description="share of each client's training data held out as its "
+        "validation split (seeded, label-stratified); when set, val_acc_* columns are "
+        "recorded and the best round, early stopping and the protocol figure are chosen on "
+        "validation, with test accuracy reported at the validation-best round")
 
 
 class FaultsConfig(_Section):

@@ -92,26 +92,11 @@ def make_partition(
     Only the parameters the scheme uses are checked (``alpha`` and ``min_size`` for
     dirichlet, ``classes_per_client`` for pathological).
     """
-    if scheme not in SCHEMES:
-        raise ConfigError(
-            f"unknown partition scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}"
-        )
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int | np.integer):
-        raise ConfigError(f"num_classes must be an integer >= 1, got {num_classes!r}")
-    num_classes = int(num_classes)
-    if num_classes < 1:
-        raise ConfigError(f"num_classes must be an integer >= 1, got {num_classes}")
+    num_classes = _check_scheme(scheme, num_classes)
     ytr = _labels(y_train, "y_train", num_classes)
     yte = _labels(y_test, "y_test", num_classes)
     n = ytr.size
-    if isinstance(clients, bool) or not isinstance(clients, int | np.integer):
-        raise ConfigError(f"partition.clients must be an integer in [1, {n}], got {clients!r}")
-    clients = int(clients)
-    if not 1 <= clients <= n:
-        raise ConfigError(
-            f"partition.clients={clients} is out of range: it must be in [1, {n}] "
-            f"(at most the number of train samples, {n})"
-        )
+    clients = _check_clients(clients, n)
 
     # Separate streams for train and test: the train split never depends on the test labels.
     train_ss, test_ss = np.random.SeedSequence([int(seed) % 2**64, _SEED_TAG]).spawn(2)
@@ -149,6 +134,31 @@ def make_partition(
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _check_scheme(scheme: str, num_classes: Any) -> int:
+    if scheme not in SCHEMES:
+        raise ConfigError(
+            f"unknown partition scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}"
+        )
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int | np.integer):
+        raise ConfigError(f"num_classes must be an integer >= 1, got {num_classes!r}")
+    num_classes = int(num_classes)
+    if num_classes < 1:
+        raise ConfigError(f"num_classes must be an integer >= 1, got {num_classes}")
+    return num_classes
+
+
+def _check_clients(clients: Any, n: int) -> int:
+    if isinstance(clients, bool) or not isinstance(clients, int | np.integer):
+        raise ConfigError(f"partition.clients must be an integer in [1, {n}], got {clients!r}")
+    clients = int(clients)
+    if not 1 <= clients <= n:
+        raise ConfigError(
+            f"partition.clients={clients} is out of range: it must be in [1, {n}] "
+            f"(at most the number of train samples, {n})"
+        )
+    return clients
 
 
 def _labels(y: Any, what: str, num_classes: int) -> np.ndarray:
@@ -482,3 +492,27 @@ def _test_counts(
             sizes[i] += 1
             break
     return counts
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validation_split(idx: torch.Tensor, labels: torch.Tensor, share: float,
+                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A client's training indices ``idx`` as (train, validation): ``round(share * n)``
+    samples held out, each class giving its share (largest remainders, random tie-break),
+    each class's held-out samples drawn at random. Both keep ``idx``'s order."""
+    n = idx.numel()
+    if share <= 0 or n == 0:
+        return idx, idx[:0]
+    y = labels.index_select(0, idx).numpy()
+    classes, inverse = np.unique(y, return_inverse=True)
+    per_class = np.bincount(inverse, minlength=classes.size)
+    target = np.array([min(round(share * n), n - 1)])
+    counts = _largest_remainder((share * per_class)[:, None].astype(np.float64), target, rng)[:, 0]
+    held = np.zeros(n, dtype=bool)
+    for c, k in enumerate(counts):
+        if k:
+            held[rng.choice(np.flatnonzero(inverse == c), size=int(k), replace=False)] = True
+    mask = torch.from_numpy(held)
+    return idx[~mask], idx[mask]

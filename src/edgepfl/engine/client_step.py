@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from edgepfl.algorithms.base import Client, UpdateResult
 from edgepfl.algorithms.training import ClientData, TestData, eval_parts, sample_count
 from edgepfl.config import Config
 from edgepfl.data.datasets import Dataset
-from edgepfl.data.partition import Partition
+from edgepfl.data.partition import Partition, validation_split
 from edgepfl.engine.parts import image_crops
 from edgepfl.engine.schedule import step_lr, training_rate
 from edgepfl.engine.transport import Figures
@@ -24,29 +26,56 @@ from edgepfl.federation.messages import Message
 from edgepfl.federation.rng import derive_seed, generator
 
 
-def client_split(dataset: Dataset, partition: Partition, cid: int,
-                 cfg: Config | None = None) -> tuple[ClientData, TestData]:
+class ClientViews(NamedTuple):
+    """A client's data: its training view, its test samples and, with
+    ``eval.validation``, its validation samples (held out of its training data)."""
+
+    train: ClientData
+    test: TestData
+    val: TestData | None = None
+
+
+def client_views(dataset: Dataset, partition: Partition, cid: int,
+                 cfg: Config | None = None) -> ClientViews:
     """Client ``cid``'s training view and its test samples: ``(x, y)`` gathered, or with
     ``cfg.dataset.aspect_ratios`` a cropped view of the test set as the training view is
-    of the training set (a ``ClientData`` whose ``buckets`` are its shapes)."""
+    of the training set (a ``ClientData`` whose ``buckets`` are its shapes); with
+    ``cfg.eval.validation`` its validation samples, held out of its training split by a
+    draw from the run seed and the client alone."""
     ds, idx = dataset, partition.test[cid]
+    train_idx, val_idx = partition.train[cid], None
+    share = cfg.eval.validation if cfg is not None else 0.0
+    if share > 0:
+        rng = np.random.default_rng(derive_seed(cfg.seed, "validation", cid))
+        train_idx, val_idx = validation_split(train_idx, ds.y_train, share, rng)
     crops = image_crops(cfg, dataset) if cfg is not None else None
     if crops is None:
-        return (ClientData(ds.x_train, ds.y_train, partition.train[cid], norm=ds.norm),
-                (ds.images("test", idx), ds.y_test.index_select(0, idx)))
+        val = None if val_idx is None else (ds.images("train", val_idx),
+                                            ds.y_train.index_select(0, val_idx))
+        return ClientViews(ClientData(ds.x_train, ds.y_train, train_idx, norm=ds.norm),
+                           (ds.images("test", idx), ds.y_test.index_select(0, idx)), val)
     # Drawn per client from the run seed alone, so the simulation and a Flower node (which
     # builds only its own client's split) cut the same crops.
     ratio = None
     if cfg.dataset.aspect_mode == "client":
         table = crops.client_ratios(partition.num_clients, generator(cfg.seed, "aspect", "clients"))
         ratio = int(table[cid])
-    train_idx = partition.train[cid]
-    return (ClientData(ds.x_train, ds.y_train, train_idx,
-                       crops.draw(train_idx.numel(), generator(cfg.seed, "aspect", "train", cid), ratio),
-                       ds.norm),
-            ClientData(ds.x_test, ds.y_test, idx,
-                       crops.draw(idx.numel(), generator(cfg.seed, "aspect", "test", cid), ratio),
-                       ds.norm))
+
+    def cropped(x, y, rows, *purpose) -> ClientData:
+        return ClientData(x, y, rows, crops.draw(rows.numel(), generator(cfg.seed, "aspect",
+                                                                         *purpose, cid), ratio),
+                          ds.norm)
+
+    return ClientViews(cropped(ds.x_train, ds.y_train, train_idx, "train"),
+                       cropped(ds.x_test, ds.y_test, idx, "test"),
+                       None if val_idx is None else cropped(ds.x_train, ds.y_train, val_idx, "val"))
+
+
+def client_split(dataset: Dataset, partition: Partition, cid: int,
+                 cfg: Config | None = None) -> tuple[ClientData, TestData]:
+    """``client_views`` without the validation samples: (training view, test samples)."""
+    views = client_views(dataset, partition, cid, cfg)
+    return views.train, views.test
 
 
 @contextmanager
@@ -67,16 +96,22 @@ def client_step(cfg: Config, part: Client, step: int, cid: int, msg: Message,
 
 
 def evaluate_client(client, trainer, cid: int, state, eval_msg: Message | None,
-                    train: ClientData, test: TestData) -> Figures:
+                    train: ClientData, test: TestData, val: TestData | None = None) -> Figures:
     """A client's named predictions (``Client.predictive``) on its test split (summed over
-    its input shapes when images are cropped; whole images are one)."""
+    its input shapes when images are cropped; whole images are one), and its personalized
+    prediction on its validation split when it has one."""
     models = client.predictive(cid, state, eval_msg, train)
-    parts = eval_parts(test)
 
-    def score(states) -> tuple[int, float]:
-        figures = [trainer.evaluate_predictive(states, x, y) for x, y in parts]
+    def score(states, data: TestData) -> tuple[int, float]:
+        figures = [trainer.evaluate_predictive(states, x, y) for x, y in eval_parts(data)]
         return sum(c for c, _ in figures), sum(loss for _, loss in figures)
 
-    correct, loss = score(models.pop(""))
-    extra = {name: score(states) for name, states in models.items()}
-    return Figures(correct, sample_count(test), loss, extra)
+    personal = models.pop("")
+    correct, loss = score(personal, test)
+    extra = {name: score(states, test) for name, states in models.items()}
+    validation = None
+    if val is not None:
+        count = sample_count(val)
+        val_correct, val_loss = score(personal, val) if count else (0, 0.0)
+        validation = (val_correct, count, val_loss)
+    return Figures(correct, sample_count(test), loss, extra, validation)

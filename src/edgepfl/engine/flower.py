@@ -72,11 +72,11 @@ if TYPE_CHECKING:
     from flwr.supercore.run import Run
 
 from edgepfl.algorithms.base import Client
-from edgepfl.algorithms.training import ClientData, TestData, sample_count
+from edgepfl.algorithms.training import sample_count
 from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.data.datasets import Dataset, load_dataset
 from edgepfl.data.partition import Partition
-from edgepfl.engine.client_step import client_split, client_step, evaluate_client
+from edgepfl.engine.client_step import ClientViews, client_step, client_views, evaluate_client
 from edgepfl.engine.ledger import METRIC_COLUMNS
 from edgepfl.engine.parts import Parts, load_federation, resolve
 from edgepfl.engine.progress import configure_logging
@@ -209,9 +209,9 @@ class _Node:
     def trainer(self, cid: int):
         return self.parts.trainers[self.parts.federation.arch[cid]]
 
-    def split(self, cid: int) -> tuple[ClientData, TestData]:
+    def split(self, cid: int) -> ClientViews:
         # the configuration's crops (dataset.aspect_ratios), drawn as the simulation draws them
-        return client_split(self.dataset, self.partition, cid, self.parts.cfg)
+        return client_views(self.dataset, self.partition, cid, self.parts.cfg)
 
 
 @lru_cache(maxsize=2)
@@ -290,7 +290,7 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     rnd = _round(message)
     msg = from_content(message.content)
     state = _state(context, node, cid, cfg)
-    train, _ = node.split(cid)
+    train = node.split(cid).train
     started = time.perf_counter()
     result = client_step(cfg, node.client(cid), rnd, cid, msg, state, train)
     train_s = time.perf_counter() - started
@@ -313,17 +313,20 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
 def _evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     cfg, cid, node = _client(context)
     eval_msg = from_content(message.content, optional=True)
-    train, test = node.split(cid)
+    train, test, val = node.split(cid)
     count = sample_count(test)
     figures: dict[str, int | float] = {"correct": 0, "count": count, "loss": 0.0}
     if count:
         node.trainer(cid).forget()
         f = evaluate_client(node.client(cid), node.trainer(cid), cid,
                             _state(context, node, cid, cfg),
-                            eval_msg, train, test)
+                            eval_msg, train, test, val)
         figures.update(correct=int(f.correct), loss=float(f.loss))
         for name, (correct, loss) in f.extra.items():
             figures[f"correct.{name}"], figures[f"loss.{name}"] = int(correct), float(loss)
+        if f.val is not None:
+            figures.update({"val.correct": f.val[0], "val.count": f.val[1],
+                            "val.loss": float(f.val[2])})
     return FlowerMessage(RecordDict({STATS: MetricRecord(figures)}), reply_to=message)
 
 
@@ -557,7 +560,15 @@ def _evaluation(reply: FlowerMessage, cid: int) -> Figures:
             raise MessageError(f"client {cid} reported {k} = {v!r}; expected a count 0..{f['count']}")
     extra = {k[len("correct."):]: (int(v), float(f.get(f"loss.{k[len('correct.'):]}", math.nan)))
              for k, v in f.items() if k.startswith("correct.")}
-    return Figures(int(f["correct"]), int(f["count"]), float(f["loss"]), extra)
+    val = None
+    if "val.count" in f:
+        correct, count = f.get("val.correct"), f["val.count"]
+        if not all(isinstance(v, int | float) and float(v).is_integer() and v >= 0
+                   for v in (correct, count)) or correct > count:
+            raise MessageError(f"client {cid} reported val.correct = {correct!r} of val.count = "
+                               f"{count!r}; expected counts with correct <= count")
+        val = (int(correct), int(count), float(f.get("val.loss", math.nan)))
+    return Figures(int(f["correct"]), int(f["count"]), float(f["loss"]), extra, val)
 
 
 def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None = False) -> FlowerResult:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepfl.engine.transport import Delivery
+from edgepfl.engine.transport import Delivery, Figures
 from edgepfl.errors import EdgepflError
 from edgepfl.federation.messages import Message
 from edgepfl.system import COST_COLUMNS, FlopMeter
@@ -28,6 +28,7 @@ LINK_COLUMNS = ["bytes_up_client", "bytes_down_client", "bytes_up_edge", "bytes_
 METRIC_COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "loss",
                   "train_loss", "bytes_up", "bytes_down", "clients", "clients_failed", "wall_s",
                   *COST_COLUMNS, *LINK_COLUMNS]
+VAL_BEST = ("val_all", "test_all", "val_selected", "test_selected")
 NO_EVAL = {"acc_mean": math.nan, "acc_weighted": math.nan, "acc_std": math.nan,
            "acc_min": math.nan, "loss": math.nan, "acc_mean_selected": math.nan}
 
@@ -56,6 +57,10 @@ class Ledger:
     edge_times: list[float | None] = None  # type: ignore[assignment]
     failures: np.ndarray = None  # type: ignore[assignment]  # client steps each client failed in
     failure_log: list[dict] = field(default_factory=list)  # round, step, client, reason
+    # with eval.validation: each client's best validation accuracy so far and its test
+    # accuracy in that round, over every evaluated round and over the rounds it was
+    # selected in
+    val_best: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n, e = self.num_clients, self.num_edges
@@ -68,6 +73,8 @@ class Ledger:
                 setattr(self, name, [math.nan] * n)
         if self.edge_times is None:
             self.edge_times = [None] * e
+        for name in VAL_BEST:
+            self.val_best.setdefault(name, [math.nan] * n)
 
     # -- what a round adds ----------------------------------------------------------------
     def count_clients(self, down: Mapping[int, int], up: Mapping[int, int]) -> None:
@@ -88,13 +95,21 @@ class Ledger:
             self.failure_log.append({"round": rnd, "step": str(step), "client": cid,
                                      "reason": reasons[cid]})
 
-    def record_accuracy(self, accs: list[float], selected: list[int]) -> None:
+    def record_accuracy(self, accs: list[float], selected: list[int],
+                        val_accs: list[float] | None = None) -> None:
         self.client_acc = accs
         for cid, acc in enumerate(accs):
             if not math.isnan(acc):
                 self.client_best[cid] = _max(self.client_best[cid], acc)
                 if cid in selected:
                     self.client_best_selected[cid] = _max(self.client_best_selected[cid], acc)
+        for cid, (acc, val) in enumerate(zip(accs, val_accs or [], strict=False)):
+            if math.isnan(acc) or math.isnan(val):
+                continue
+            for scope in ("all", "selected") if cid in selected else ("all",):
+                best, at = self.val_best[f"val_{scope}"], self.val_best[f"test_{scope}"]
+                if math.isnan(best[cid]) or val > best[cid]:  # the first best round keeps it
+                    best[cid], at[cid] = val, acc
 
     def add_row(self, row: dict) -> None:
         self.wall_time += row["wall_s"]
@@ -112,7 +127,8 @@ class Ledger:
                 "client_best": _nulls(self.client_best),
                 "edge_times": self.edge_times, "failures": self.failures.tolist(),
                 "failure_log": self.failure_log,
-                "client_best_selected": _nulls(self.client_best_selected)}
+                "client_best_selected": _nulls(self.client_best_selected),
+                "val_best": {k: _nulls(v) for k, v in self.val_best.items()}}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any], num_clients: int, num_edges: int,
@@ -138,11 +154,14 @@ class Ledger:
                  for v in meta.get("client_best_selected", [None] * n)],
                 [None if t is None else float(t) for t in meta.get("edge_times", [None] * edges)],
                 np.asarray(meta.get("failures", [0] * n), dtype=np.int64),
-                list(meta.get("failure_log", [])))
+                list(meta.get("failure_log", [])),
+                {k: [math.nan if v is None else float(v) for v in meta["val_best"][k]]
+                 for k in VAL_BEST if k in meta.get("val_best", {})})
             if len(metrics) != rnd or ledger.bytes_up.shape != (n,) or \
                     ledger.bytes_down.shape != (n,) or ledger.edge_bytes_up.shape != (edges,) or \
                     ledger.edge_bytes_down.shape != (edges,) or \
-                    ledger.failures.shape != (n,) or len(ledger.edge_times) != edges:
+                    ledger.failures.shape != (n,) or len(ledger.edge_times) != edges or \
+                    any(len(v) != n for v in ledger.val_best.values()):
                 raise ValueError(f"round {rnd}, {len(metrics)} metric rows, byte counts for "
                                  f"{ledger.bytes_up.shape} / {ledger.bytes_down.shape} clients "
                                  f"and {ledger.edge_bytes_up.shape} / "
@@ -173,6 +192,41 @@ def accuracy_row(accs: list[float], losses: list[float], test_sizes: np.ndarray)
             "acc_std": float(acc[ok].std()),
             "acc_min": float(acc[ok].min()),
             "loss": float(np.nanmean(losses))}
+
+
+def mean_over(accs: list[float], clients: list[int]) -> float:
+    """The mean accuracy of ``clients`` (those evaluated)."""
+    chosen = [accs[c] for c in clients if not math.isnan(accs[c])]
+    return float(np.mean(chosen)) if chosen else math.nan
+
+
+def named_rows(figures: list[Figures], counts: np.ndarray) -> dict:
+    """The ``acc_<name>_*`` figures of every extra named prediction (``Client.predictive``);
+    a client without one (an algorithm's per-tier figure) is left out of it."""
+    row = {}
+    names = list(dict.fromkeys(k for f in figures for k in f.extra))
+    for name in names:
+        got = [f.extra.get(name, (math.nan, math.nan)) for f in figures]
+        extra = accuracy_row([c / f.count if f.count else math.nan
+                              for (c, _), f in zip(got, figures, strict=True)],
+                             [v / f.count if f.count else math.nan
+                              for (_, v), f in zip(got, figures, strict=True)],
+                             counts)
+        row.update({f"acc_{name}_{k[4:]}" if k.startswith("acc_") else f"{k}_{name}": v
+                    for k, v in extra.items()})
+    return row
+
+
+def validation_row(figures: list[Figures], selected: list[int]) -> tuple[dict, list[float]]:
+    """The ``val_*`` figures of a round (``eval.validation``) and each client's validation
+    accuracy (NaN without validation samples)."""
+    val = [f.val or (0, 0, math.nan) for f in figures]
+    accs = [c / n if n else math.nan for c, n, _ in val]
+    row = {f"val_{k}": v for k, v in accuracy_row(
+        accs, [loss / n if n else math.nan for _, n, loss in val],
+        np.array([n for _, n, _ in val])).items()}
+    row["val_acc_mean_selected"] = mean_over(accs, selected)
+    return row, accs
 
 
 def accuracy_summary(metrics: list[dict], client_acc: list[float]) -> dict:
@@ -209,10 +263,13 @@ def named_summary(metrics: list[dict]) -> dict:
     return out
 
 
-def protocol_summary(ledger: Ledger, statistic: str, clients: str) -> dict:
+def protocol_summary(ledger: Ledger, statistic: str, clients: str,
+                     validation: bool = False) -> dict:
     """The papers' protocols beside ours: each client's own best round averaged, and the
     mean over each round's selected clients; ``protocol`` is the figure that
-    ``eval.statistic`` and ``eval.clients`` name (ours: best round, all clients)."""
+    ``eval.statistic`` and ``eval.clients`` name (ours: best round, all clients). With
+    ``validation`` every round (a run's, or a client's own) is picked on validation and
+    ``protocol`` is the test figure of the picked rounds, so no choice sees the test set."""
     def mean(values: list[float]) -> float | None:
         ok = [v for v in values if not math.isnan(v)]
         return float(np.mean(ok)) if ok else None
@@ -226,11 +283,43 @@ def protocol_summary(ledger: Ledger, statistic: str, clients: str) -> dict:
         ("client_best", "all"): mean(ledger.client_best),
         ("client_best", "selected"): mean(ledger.client_best_selected),
     }
-    return {"acc_client_best_mean": figures["client_best", "all"],
-            "acc_mean_selected_best": figures["best_round", "selected"],
-            "acc_client_best_selected_mean": figures["client_best", "selected"],
-            "protocol": {"statistic": statistic, "clients": clients,
-                         "acc": figures[statistic, clients]}}
+    out = {"acc_client_best_mean": figures["client_best", "all"],
+           "acc_mean_selected_best": figures["best_round", "selected"],
+           "acc_client_best_selected_mean": figures["client_best", "selected"]}
+    if validation:
+        figures = {
+            ("best_round", "all"): _at_best(metrics, "val_acc_mean", "acc_mean"),
+            ("best_round", "selected"): _at_best(metrics, "val_acc_mean_selected",
+                                                 "acc_mean_selected"),
+            ("client_best", "all"): mean(ledger.val_best["test_all"]),
+            ("client_best", "selected"): mean(ledger.val_best["test_selected"]),
+        }
+        out.update({"acc_client_at_val_best_mean": figures["client_best", "all"],
+                    "acc_mean_selected_at_val_best": figures["best_round", "selected"],
+                    "acc_client_at_val_best_selected_mean": figures["client_best", "selected"]})
+    out["protocol"] = {"statistic": statistic, "clients": clients,
+                       "selection": "validation" if validation else "test",
+                       "acc": figures[statistic, clients]}
+    return out
+
+
+def validation_summary(metrics: list[dict]) -> dict:
+    """The round with the best mean validation accuracy, and the test figures of that
+    round: what a run reports when no choice may look at the test set."""
+    rows = [r for r in metrics if not math.isnan(r.get("val_acc_mean", math.nan))]
+    if not rows:
+        return {}
+    best = max(rows, key=lambda r: r["val_acc_mean"])
+    return {"val_acc_mean_best": best["val_acc_mean"], "val_best_round": best["round"],
+            "acc_mean_at_val_best": best["acc_mean"], "acc_std_at_val_best": best["acc_std"],
+            "acc_min_at_val_best": best["acc_min"],
+            "val_acc_mean_final": rows[-1]["val_acc_mean"]}
+
+
+def _at_best(metrics: list[dict], select: str, report: str) -> float | None:
+    """``report`` in the first row whose ``select`` is highest."""
+    rows = [r for r in metrics if not math.isnan(r.get(select, math.nan))]
+    return max(rows, key=lambda r: r[select])[report] if rows else None
 
 
 def stop_summary(rounds_planned: int, stop: dict | None) -> dict:

@@ -35,13 +35,17 @@ from edgepfl.engine.ledger import (
     Ledger,
     accuracy_row,
     accuracy_summary,
+    mean_over,
+    named_rows,
     named_summary,
     protocol_summary,
     stop_summary,
     traffic_summary,
+    validation_row,
+    validation_summary,
 )
 from edgepfl.engine.parts import Parts
-from edgepfl.engine.schedule import early_stop, round_lr
+from edgepfl.engine.schedule import async_edge_rounds, early_stop, round_lr
 from edgepfl.engine.transport import (
     ClientReply,
     Delivery,
@@ -104,7 +108,8 @@ class Rounds:
         while it goes on, and for a run whose rule fires only at its last round. One pass
         over the rows, a few times a round: cheaper than keeping it in step with them."""
         t = self.cfg.train
-        stop = early_stop(self.metrics, t.early_stopping, t.early_stopping_delta)
+        stop = early_stop(self.metrics, t.early_stopping, t.early_stopping_delta,
+                          "val_acc_mean" if self.cfg.eval.validation else "acc_mean")
         return stop if stop is not None and stop["round"] < t.rounds else None
 
     @property
@@ -343,22 +348,15 @@ class Rounds:
         counts = np.array([f.count for f in figures.values()])
         accs = [f.correct / f.count if f.count else math.nan for f in figures.values()]
         losses = [f.loss / f.count if f.count else math.nan for f in figures.values()]
-        self.ledger.record_accuracy(accs, self._selected)
         row = accuracy_row(accs, losses, counts)
         row.update(self.server.evaluation_metrics(rnd, list(accs)))
-        chosen = [accs[c] for c in self._selected if not math.isnan(accs[c])]
-        row["acc_mean_selected"] = float(np.mean(chosen)) if chosen else math.nan
-        names = list(dict.fromkeys(k for f in figures.values() for k in f.extra))
-        for name in names:
-            # a client without this prediction (an algorithm's per-tier figure) is left out
-            got = [f.extra.get(name, (math.nan, math.nan)) for f in figures.values()]
-            extra = accuracy_row([c / f.count if f.count else math.nan
-                                  for (c, _), f in zip(got, figures.values(), strict=True)],
-                                 [v / f.count if f.count else math.nan
-                                  for (_, v), f in zip(got, figures.values(), strict=True)],
-                                 counts)
-            row.update({f"acc_{name}_{k[4:]}" if k.startswith("acc_") else f"{k}_{name}": v
-                        for k, v in extra.items()})
+        row["acc_mean_selected"] = mean_over(accs, self._selected)
+        val_accs = None
+        if self.cfg.eval.validation:
+            val_row, val_accs = validation_row(list(figures.values()), self._selected)
+            row.update(val_row)
+        self.ledger.record_accuracy(accs, self._selected, val_accs)
+        row.update(named_rows(list(figures.values()), counts))
         return row
 
     # -- the run's figures ----------------------------------------------------------------
@@ -371,7 +369,9 @@ class Rounds:
             **accuracy_summary(self.metrics, self.client_acc),
             **stop_summary(cfg.train.rounds, self.stopped),
             **named_summary(self.metrics),
-            **protocol_summary(ledger, cfg.eval.statistic, cfg.eval.clients),
+            **validation_summary(self.metrics),
+            **protocol_summary(ledger, cfg.eval.statistic, cfg.eval.clients,
+                               validation=bool(cfg.eval.validation)),
             **self.server.summary_figures(self.metrics),
             **traffic_summary(ledger),
             "edges": fed.edges, "edge_rounds": fed.edge_rounds,
@@ -415,22 +415,6 @@ class Rounds:
         self.server.load_state(under("server/"), meta.get("server", {}))
         for k, edge in enumerate(self.edges):
             edge.load_state(under(f"edge{k}/"), meta.get(f"edge{k}", {}))
-
-
-def async_edge_rounds(times: list[float | None], k2: int) -> list[int]:
-    """Edge rounds of each edge in the next cloud period of an asynchronous hierarchy.
-
-    The cloud period is k2 times the median edge's edge-round time; an edge runs as many
-    edge rounds as fit in it, to the nearest whole round (so edges of equal speed, or
-    within a factor 1 +- 1/(2 k2) of it, run k2, as the synchronous schedule does), and an
-    edge more than 2 k2 times slower than the median runs none: it is still busy, takes no
-    new model, and the cloud aggregates the model it holds, stale. Before any edge has been
-    timed (the first period) every edge runs k2."""
-    known = [t for t in times if t is not None and math.isfinite(t) and t > 0]
-    if len(known) < len(times):
-        return [k2] * len(times)
-    period = k2 * float(np.median(known))
-    return [int(math.floor(period / t + 0.5)) for t in known]
 
 
 def _check_participants(chosen: list[int], num_clients: int, rnd: int) -> list[int]:

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from edgepfl.config import Config, TrainConfig
 
 if TYPE_CHECKING:
@@ -86,11 +88,13 @@ def training_rate(part: Client, lr: float) -> Iterator[None]:
 
 
 # -- early stopping -------------------------------------------------------------------------
-def early_stop(metrics: Sequence[dict], patience: int, delta: float = 0.0) -> dict[str, Any] | None:
+def early_stop(metrics: Sequence[dict], patience: int, delta: float = 0.0,
+               key: str = "acc_mean") -> dict[str, Any] | None:
     """The round a run with ``train.early_stopping = patience`` stops at, from its metrics
     rows alone, or None while it goes on (and always with ``patience = 0``).
 
-    Over the evaluated rows (``acc_mean`` not NaN), in order: the first sets the reference;
+    Over the evaluated rows (``key`` not NaN: ``acc_mean``, or ``val_acc_mean`` with a
+    validation split), in order: the first sets the reference;
     a later one that beats it by more than ``delta`` becomes the reference; any other
     counts one evaluation without improvement, and the ``patience``-th in a row stops the
     run at its round. The reference is the last accuracy that improved by more than
@@ -100,7 +104,7 @@ def early_stop(metrics: Sequence[dict], patience: int, delta: float = 0.0) -> di
     best: float | None = None
     best_round, waited = 0, 0
     for row in metrics:
-        acc = row.get("acc_mean")
+        acc = row.get(key)
         if acc is None or math.isnan(acc):
             continue
         if best is None or acc > best + delta:
@@ -109,8 +113,9 @@ def early_stop(metrics: Sequence[dict], patience: int, delta: float = 0.0) -> di
         waited += 1
         if waited >= patience:
             gain = f"by more than {delta:g} " if delta else ""
-            return {"round": int(row["round"]), "best_round": best_round, "acc_mean": best,
-                    "reason": f"the mean client accuracy did not improve {gain}on "
+            what = "validation accuracy" if key.startswith("val_") else "accuracy"
+            return {"round": int(row["round"]), "best_round": best_round, key: best,
+                    "reason": f"the mean client {what} did not improve {gain}on "
                               f"{best:.4f} (round {best_round}) in {patience} evaluated "
                               f"round{'s' if patience > 1 else ''} (train.early_stopping = "
                               f"{patience})"}
@@ -122,3 +127,19 @@ def can_stop_early(rounds: int, every: int, patience: int) -> bool:
     evaluated rounds before its last that an early stop needs (one at the last round ends
     the run anyway)."""
     return patience > 0 and (rounds - 1) // every > patience
+
+
+def async_edge_rounds(times: list[float | None], k2: int) -> list[int]:
+    """Edge rounds of each edge in the next cloud period of an asynchronous hierarchy.
+
+    The cloud period is k2 times the median edge's edge-round time; an edge runs as many
+    edge rounds as fit in it, to the nearest whole round (so edges of equal speed, or
+    within a factor 1 +- 1/(2 k2) of it, run k2, as the synchronous schedule does), and an
+    edge more than 2 k2 times slower than the median runs none: it is still busy, takes no
+    new model, and the cloud aggregates the model it holds, stale. Before any edge has been
+    timed (the first period) every edge runs k2."""
+    known = [t for t in times if t is not None and math.isfinite(t) and t > 0]
+    if len(known) < len(times):
+        return [k2] * len(times)
+    period = k2 * float(np.median(known))
+    return [int(math.floor(period / t + 0.5)) for t in known]

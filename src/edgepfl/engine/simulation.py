@@ -22,7 +22,13 @@ from edgepfl.algorithms.training import ClientData, TestData, sample_count
 from edgepfl.config import Config, build_config
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition
-from edgepfl.engine.client_step import as_client, client_split, client_step, evaluate_client
+from edgepfl.engine.client_step import (
+    as_client,
+    client_split,
+    client_step,
+    client_views,
+    evaluate_client,
+)
 from edgepfl.engine.ledger import METRIC_COLUMNS, accuracy_row, accuracy_summary, metric_columns
 from edgepfl.engine.parts import Parts, image_crops, load_federation, resolve
 from edgepfl.engine.progress import setting_up
@@ -66,7 +72,8 @@ class InProcess(Transport):
     counts_flops = True
 
     def __init__(self, parts: Parts, train_data: list[ClientData],
-                 test_data: list[TestData], flops: FlopMeter):
+                 test_data: list[TestData], flops: FlopMeter,
+                 val_data: list[TestData | None] | None = None):
         fed = parts.federation
         self.cfg = parts.cfg
         self.seed = parts.cfg.seed
@@ -74,6 +81,7 @@ class InProcess(Transport):
         self.parts = parts.clients()
         self.trainers = parts.trainers
         self.train_data, self.test_data = train_data, test_data
+        self.val_data = val_data or [None] * len(train_data)
         self.flops = flops
         self.store = StackedStore(fed.num_clients, parts.stacks)
         self._work_shapes: dict[int, tuple] = {}
@@ -202,7 +210,7 @@ class InProcess(Transport):
         cid, state, eval_msg = task
         arch = self.arch[cid]
         return cid, evaluate_client(self.parts[arch], self.trainers[arch], cid, state, eval_msg,
-                                    self.train_data[cid], self.test_data[cid])
+                                    self.train_data[cid], self.test_data[cid], self.val_data[cid])
 
 
 class Simulation:
@@ -220,13 +228,15 @@ class Simulation:
         self.parts = parts = Parts.build(cfg, self.dataset, n, self.out_dir)
         self.algorithm, self.federation = parts.algorithm, parts.federation
         self.layers, self.trainer = parts.layers, parts.trainer
-        splits = [client_split(self.dataset, self.partition, cid, cfg) for cid in range(n)]
-        self.train_data = [train for train, _ in splits]
-        self.test_data = [test for _, test in splits]
+        views = [client_views(self.dataset, self.partition, cid, cfg) for cid in range(n)]
+        self.train_data = [v.train for v in views]
+        self.test_data = [v.test for v in views]
+        self.val_data = [v.val for v in views]
         self.test_sizes = np.array([sample_count(test) for test in self.test_data])
         self.system = SystemModel.build(cfg.system, n, cfg.seed, epochs=cfg.train.local_epochs)
         self.flops = FlopMeter(enabled=cfg.system.count_flops, cache=cfg.system.cache_flops)
-        self.transport = InProcess(parts, self.train_data, self.test_data, self.flops)
+        self.transport = InProcess(parts, self.train_data, self.test_data, self.flops,
+                                   self.val_data)
         self.rounds = Rounds(parts, self.transport, self.system, self.flops)
         self.server, self.edges = self.rounds.server, self.rounds.edges
         self.client = self.transport.parts[parts.first.name]
@@ -288,6 +298,10 @@ class Simulation:
         write_json(out / "config.json", self.cfg.model_dump())
         part = self.partition.to_json(self.dataset.y_train, self.dataset.y_test)
         part["layers"] = self.layers.to_json()
+        if self.cfg.eval.validation:
+            part["validation"] = self.cfg.eval.validation
+            for row, val in zip(part["clients"], self.val_data, strict=True):
+                row["val_samples"] = sample_count(val)
         crops = image_crops(self.cfg, self.dataset)
         if crops is not None:
             part["aspect"] = {"mode": self.cfg.dataset.aspect_mode, **crops.describe()}

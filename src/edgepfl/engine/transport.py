@@ -86,12 +86,15 @@ class Delivery:
 @dataclass
 class Figures:
     """A client's evaluation: correct predictions, test samples, summed loss; ``extra``
-    the (correct, summed loss) of its other named predictions (``Client.predictive``)."""
+    the (correct, summed loss) of its other named predictions (``Client.predictive``);
+    ``val`` the personalized prediction's (correct, samples, summed loss) on its
+    validation split (``eval.validation``)."""
 
     correct: int
     count: int
     loss: float
     extra: dict[str, tuple[int, float]] = field(default_factory=dict)
+    val: tuple[int, int, float] | None = None
 
 
 class Transport(ABC):
