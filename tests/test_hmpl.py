@@ -9,8 +9,8 @@ import torch
 
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.hmpl import HMPLClient, tier_params
+from edgepfl.engine.ledger import metric_columns
 from edgepfl.engine.parts import resolve
-from edgepfl.engine.rounds import metric_columns
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
@@ -277,7 +277,7 @@ def run():
     server.aggregate = lambda rnd, rep: (ups.append(dict(rep)), aggregate(rnd, rep))[1]
     up_before, accs = [], []
     for _ in range(3):
-        up_before.append(sim.rounds.bytes_up.copy())
+        up_before.append(sim.rounds.ledger.bytes_up.copy())
         sim.step()
         accs.append(list(sim.rounds.client_acc))
     return sim, downs, ups, up_before, accs
@@ -454,7 +454,7 @@ def test_round_one_times_every_client_so_the_tiers_are_tier_ratio_of_all_of_them
 
 
 def test_a_run_from_before_first_round_existed_is_read_and_resumed_as_sampled(tmp_path, monkeypatch):
-    from edgepfl.config import comparable
+    from edgepfl.engine.rundir import comparable
     from edgepfl.engine.simulation import resume_run
 
     sets = (*HMPL, *SMALL, "partition.clients=10", "train.participation=0.3", "train.rounds=3")
@@ -614,7 +614,7 @@ def test_preserve_sends_conv3_until_the_com_reply_arrives_and_needs_it_to_shrink
 
 
 def test_a_run_from_before_generation_and_rank_by_existed_is_read_as_random_by_round():
-    from edgepfl.config import comparable
+    from edgepfl.engine.rundir import comparable
 
     stored = resolve(fast_config(*HMPL)).model_dump()
     for key in ("generation", "rank_by"):
