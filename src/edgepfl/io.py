@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -69,10 +70,15 @@ def write_csv(path: Path, columns: list[str], rows: Iterable[Mapping]) -> None:
 
 
 def _fmt(value) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if isinstance(value, float | np.floating):
+        value = float(value)
+        if math.isnan(value):
+            return ""
+        # the shortest text that reads back as the same float: a figure recomputed from
+        # metrics.csv (a best round, a paired difference) equals the run's own
+        return repr(value)
+    if value is None:
         return ""
-    if isinstance(value, float):
-        return f"{value:.6g}"
     return str(value)
 
 
