@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -33,42 +33,116 @@ def _evaluated(metrics: Sequence[dict]) -> list[dict]:
     return [r for r in metrics if not math.isnan(_number(r.get("acc_mean")))]
 
 
-def plot_accuracy(metrics: Sequence[dict], path: Path, title: str) -> None:
-    """Mean accuracy per round with the +-std band and the worst client."""
+def setting_line(config: Mapping | None, skip: Sequence[str] = ()) -> str:
+    """What a figure's curves were run on, from a configuration (``Config.model_dump()`` or
+    a run's config.json): data set, clients, partition with its skew, rounds. ``skip``
+    leaves out settings that vary between the curves (a sweep's grid keys). "" without one."""
+    if not isinstance(config, Mapping):
+        return ""
+
+    def get(dotted: str):
+        node = config
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        return None if dotted in skip else node
+
+    parts = [str(v) for v in [get("dataset.name")] if v is not None]
+    if get("partition.clients") is not None:
+        parts.append(f"{get('partition.clients')} clients")
+    scheme = get("partition.scheme")
+    if scheme is not None:
+        # the skew is what makes a partition hard, so it belongs beside the scheme's name
+        skew = {"dirichlet": ("partition.alpha", "α = {}"),
+                "pathological": ("partition.classes_per_client", "{} classes per client")}
+        key, text = skew.get(scheme, (None, ""))
+        value = get(key) if key else None
+        parts.append(f"{scheme} {text.format(value)}" if value is not None else str(scheme))
+    if get("train.rounds") is not None:
+        parts.append(f"{get('train.rounds')} rounds")
+    return ", ".join(parts)
+
+
+def _run_config(path: Path) -> dict | None:
+    """The configuration of the run directory a figure is drawn into (its config.json,
+    written when the run starts), else None."""
+    import json
+
+    try:
+        data = json.loads((Path(path).parent / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def with_setting(title: str, setting: str) -> str:
+    return f"{title}\n{setting}" if setting else title
+
+
+def percent_axis(ax, xlabel: str | None = "round") -> None:
+    """Ticks in percent on an accuracy axis whose values are percent (as the terminal
+    prints accuracy) and, against rounds, whole-number ticks (there is no round 2.5)."""
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(xmax=100))
+    if xlabel == "round":
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+
+
+def band(ax, x, mean, spread, color=None, alpha: float = 0.2, label: str | None = None) -> None:
+    """A ±spread band around ``mean`` (percent), clipped to [0, 100]: an accuracy outside it
+    cannot happen, the band's symmetry notwithstanding."""
+    low = np.clip(np.asarray(mean) - np.asarray(spread), 0.0, 100.0)
+    high = np.clip(np.asarray(mean) + np.asarray(spread), 0.0, 100.0)
+    ax.fill_between(x, low, high, alpha=alpha, color=color, label=label, linewidth=0)
+
+
+def plot_accuracy(metrics: Sequence[dict], path: Path, title: str,
+                  setting: str | None = None) -> None:
+    """Mean accuracy per round with the +-std band and the worst client, in percent.
+    ``setting`` goes under the title; None reads it from the config.json of the run
+    directory the figure goes into (the engine passes a title only)."""
     rows = _evaluated(metrics)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     if rows:
         r = np.array([row["round"] for row in rows])
-        mean = np.array([row["acc_mean"] for row in rows])
-        std = np.array([row["acc_std"] for row in rows])
-        ax.plot(r, mean, label="mean over clients")
-        ax.fill_between(r, mean - std, mean + std, alpha=0.2, label="± std")
-        ax.plot(r, [row["acc_min"] for row in rows], "--", lw=1, label="worst client")
+        mean = 100 * np.array([_number(row["acc_mean"]) for row in rows])
+        std = 100 * np.array([_number(row.get("acc_std")) for row in rows])
+        line = ax.plot(r, mean, marker="." if len(rows) < 30 else None, label="mean over clients")
+        if not np.isnan(std).all():
+            band(ax, r, mean, np.nan_to_num(std), color=line[0].get_color(), label="± std")
+        ax.plot(r, 100 * np.array([_number(row.get("acc_min")) for row in rows]), "--", lw=1,
+                label="worst client")
+    percent_axis(ax)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy (each client, own test split)")
-    ax.set_title(title)
+    if setting is None:
+        setting = setting_line(_run_config(path))
+    ax.set_title(with_setting(title, setting), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    if ax.lines:
+        ax.legend(loc="lower right")
     save_figure(fig, path)
 
 
 def plot_accuracy_series(metrics: Sequence[dict], series: dict[str, str], path: Path,
-                         title: str, dashed: Sequence[str] = ()) -> None:
-    """One line per label: the metrics column it names over the evaluated rounds; a round
-    where a column is missing or NaN (a tier without clients yet) leaves a gap. Labels in
-    ``dashed`` are drawn dashed (a reference beside the others)."""
+                         title: str, dashed: Sequence[str] = (),
+                         setting: str | None = None) -> None:
+    """One line per label: the metrics column it names over the evaluated rounds, in
+    percent; a round where a column is missing or NaN (a tier without clients yet) leaves
+    a gap. Labels in ``dashed`` are drawn dashed (a reference beside the others).
+    ``setting`` as in ``plot_accuracy``."""
     rows = _evaluated(metrics)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     r = np.array([row["round"] for row in rows])
     for label, column in series.items():
-        values = np.array([_number(row.get(column)) for row in rows], dtype=float)
+        values = 100 * np.array([_number(row.get(column)) for row in rows], dtype=float)
         if rows and not np.isnan(values).all():
             ax.plot(r, values, "--" if label in dashed else "-", lw=1 if label in dashed else 1.5,
                     marker="." if len(rows) < 30 else None, label=label)
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    percent_axis(ax)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy (mean over clients)")
-    ax.set_title(title)
+    if setting is None:
+        setting = setting_line(_run_config(path))
+    ax.set_title(with_setting(title, setting), fontsize=10)
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(loc="lower right", fontsize=8)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgepfl.errors import EdgepflError
@@ -25,6 +25,7 @@ class RunRecord:
     label: str
     summary: dict
     rows: list[dict[str, float]]
+    config: dict = field(default_factory=dict)  # config.json; {} where the run has none
 
     @property
     def rounds(self) -> int:
@@ -80,7 +81,11 @@ def load_run(path: Path) -> RunRecord:
     missing = [c for c in ("round", "acc_mean", "bytes_up", "bytes_down") if c not in columns]
     if missing:
         raise EdgepflError(f"{path / 'metrics.csv'} lacks the columns {missing}; it has {columns}")
-    return RunRecord(path, path.name, summary, rows)
+    try:
+        config = read_json(path / "config.json")
+    except EdgepflError:  # only a plot's title reads it: no reason to refuse the run
+        config = {}
+    return RunRecord(path, path.name, summary, rows, config if isinstance(config, dict) else {})
 
 
 def load_runs(run_dirs: list[Path]) -> list[RunRecord]:
@@ -193,11 +198,15 @@ def report_plots(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     """``accuracy_vs_bytes.png`` and ``accuracy_vs_time.png`` in ``out_dir``: mean accuracy
     at evaluated rounds against cumulative MB (up + down) and cumulative simulated seconds.
     A run without simulated times is left out of the time plot (and said so on it)."""
-    from edgepfl.plotting import plt, save_figure
+    from edgepfl.plotting import percent_axis, plt, save_figure, setting_line, with_setting
 
     runs = load_runs(run_dirs)
     out_dir = Path(out_dir)
     written = []
+    # the runs' setting under the title where they share it; runs of different settings
+    # are told apart by their labels
+    settings = {setting_line(run.config) for run in runs}
+    setting = settings.pop() if len(settings) == 1 else ""
     for name, xlabel in (("accuracy_vs_bytes.png", "cumulative MB (up + down)"),
                          ("accuracy_vs_time.png", "cumulative simulated time (s)")):
         fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -212,10 +221,13 @@ def report_plots(run_dirs: list[Path], out_dir: Path) -> list[Path]:
                 left_out.append(run.label)
                 continue
             xs, ys = _curve(run, cost)
-            ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=run.label)
+            ax.plot(xs, [100 * y for y in ys], marker="." if len(xs) < 30 else None,
+                    label=run.label)
+        percent_axis(ax, xlabel)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("mean test accuracy (personalized)")
-        title = "accuracy against " + ("communication" if "bytes" in name else "simulated time")
+        title = with_setting("accuracy against " + ("communication" if "bytes" in name
+                                                    else "simulated time"), setting)
         if left_out:
             title += f"\n(no data for: {', '.join(left_out)})"
         ax.set_title(title, fontsize=10)
