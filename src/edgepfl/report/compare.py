@@ -1,35 +1,55 @@
 """Several algorithms on the same federation: same partition, same client sequence.
 
 Both follow from the seed alone (partition and sampling never draw from an algorithm's
-randomness), so running each algorithm with the same seed is what makes them comparable.
+randomness), so running each algorithm with the same seed is what makes them comparable,
+and what makes the per-seed difference against a reference algorithm meaningful
+(``report.stats``).
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 from edgepfl.config import Config, build_config
-from edgepfl.data import load_dataset, make_partition
-from edgepfl.engine.simulation import resolve, resume_run, start_run
+from edgepfl.engine.simulation import resolve
 from edgepfl.errors import EdgepflError
 from edgepfl.io import write_bytes_atomic, write_csv
-from edgepfl.report.plots import plot_curves
+from edgepfl.plotting import setting_line
+from edgepfl.report import stats
+from edgepfl.report.plots import plot_curves, seed_curves
+from edgepfl.report.runs import Finished, PlannedRun, check_jobs, run_all
 
-COMPARISON_COLUMNS = ["algorithm", "model", "seed", "acc_mean_best", "best_round", "acc_mean_final",
-                      "acc_weighted_final", "acc_std_final", "acc_min_final",
-                      "acc_client_best_mean", "acc_mean_selected_best",
-                      "acc_client_best_selected_mean", "bytes_up_total",
-                      "bytes_down_total", "wall_time_s", "run_dir"]
+# one row per run; these columns are what the table had before its statistics were added,
+# kept in their order for whoever reads the file by position
+RUN_COLUMNS = ["algorithm", "model", "seed", "acc_mean_best", "best_round", "acc_mean_final",
+               "acc_weighted_final", "acc_std_final", "acc_min_final",
+               "acc_client_best_mean", "acc_mean_selected_best",
+               "acc_client_best_selected_mean", "bytes_up_total",
+               "bytes_down_total", "wall_time_s", "run_dir"]
+# the figures with statistics over seeds and a paired difference against the reference
+STAT_FIGURES = ("acc_mean_best", "acc_mean_final")
+STAT_COLUMNS = ["reference", "n_seeds"] + [
+    c for fig in STAT_FIGURES
+    for c in [*stats.column_names(fig), f"{fig}_diff", *stats.column_names(f"{fig}_diff")]
+    if c != f"{fig}_diff_sd"]
+COMPARISON_COLUMNS = RUN_COLUMNS + STAT_COLUMNS
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    arr = np.array([v for v in values if v is not None], dtype=float)
-    if arr.size == 0:
-        return math.nan, math.nan
-    return float(arr.mean()), float(arr.std())
+def default_reference(algorithms: list[str]) -> str:
+    return "fedavg" if "fedavg" in algorithms else algorithms[0]
+
+
+def pick_reference(algorithms: list[str], reference: str | None) -> str:
+    """The algorithm every other is paired with: ``reference``, else FedAvg where it is
+    compared (the usual baseline), else the first one."""
+    if reference is None:
+        return default_reference(algorithms)
+    if reference not in algorithms:
+        raise EdgepflError(f"--reference {reference!r} is not among the compared algorithms "
+                           f"({', '.join(algorithms)}); name one of them, or leave it out for "
+                           f"{default_reference(algorithms)}")
+    return reference
 
 
 def split_hyperparameters(base: Config, algorithms: list[str]) -> dict[str, dict]:
@@ -59,9 +79,16 @@ def split_hyperparameters(base: Config, algorithms: list[str]) -> dict[str, dict
 
 
 def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
-            progress: bool | None = None, echo=print) -> list[dict]:
+            progress: bool | None = None, echo: Callable[[str], None] = print, *,
+            jobs: int = 1, threads: int | None = None,
+            reference: str | None = None) -> list[dict]:
+    """Every algorithm with every seed into ``out/<algorithm>-seed<k>`` (``jobs`` at a
+    time, resumable: ``report.runs``), then comparison.csv, .md and .png. Everything the
+    user gave is checked before the first run starts. Returns the table's rows."""
     if not algorithms:
         raise EdgepflError("--algorithms is empty; give a comma-separated list, e.g. local,fedavg")
+    reference = pick_reference(algorithms, reference)
+    check_jobs(jobs)
     if (out / "comparison.csv").exists():
         raise EdgepflError(f"{out} already holds a comparison; choose another --out")
     configs = {}
@@ -74,48 +101,79 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
         echo("note: the algorithms run different models (" +
              ", ".join(f"{n}: {m}" for n, m in models.items()) +
              "); --set model.name=... gives them all the same one")
-    rows, curves = [], {}
+    # seed by seed, so that the runs sharing a seed's data set follow one another
+    plan, of = [], {}
     for seed in seeds:
-        cfg0 = configs[algorithms[0]]
-        dataset = load_dataset(cfg0.dataset.name, cfg0.dataset.root, cfg0.dataset.fraction,
-                               seed, cfg0.dataset.download)
-        partition = make_partition(dataset.y_train, dataset.y_test, dataset.num_classes,
-                                   cfg0.partition.scheme, cfg0.partition.clients, seed,
-                                   alpha=cfg0.partition.alpha, min_size=cfg0.partition.min_size,
-                                   classes_per_client=cfg0.partition.classes_per_client)
         for name in algorithms:
-            cfg = build_config({**configs[name].model_dump(), "seed": seed})
-            run_dir = out / f"{name}-seed{seed}"
-            # the same command again: a finished run is read back, an interrupted one goes
-            # on from its checkpoint; a changed configuration is refused
-            data = {"dataset": dataset, "partition": partition}
-            if (run_dir / "config.json").exists():
-                result = resume_run(run_dir, cfg, progress=progress, **data)
-            else:
-                result = start_run(cfg, run_dir, progress=progress, **data)
-            s = result.summary
-            echo(f"{name:>10} seed {seed}: best {s['acc_mean_best']:.4f} (round {s['best_round']}), "
-                 f"final {s['acc_mean_final']:.4f} ± {s['acc_std_final']:.4f}, "
-                 f"up {s['bytes_up_total'] / 1e6:.2f} MB, down {s['bytes_down_total'] / 1e6:.2f} MB")
-            rows.append({**{k: s.get(k) for k in COMPARISON_COLUMNS}, "model": cfg.model.name,
-                         "run_dir": run_dir.name})
-            curves.setdefault(name, []).append(
-                [(r["round"], r["acc_mean"]) for r in result.metrics if not math.isnan(r["acc_mean"])])
+            run = PlannedRun(f"{name}-seed{seed}",
+                             build_config({**configs[name].model_dump(), "seed": seed}))
+            plan.append(run)
+            of[run.name] = (name, seed)
+
+    def finished(run: PlannedRun, result: Finished) -> None:
+        name, seed = of[run.name]
+        s = result.summary
+        echo(f"{name:>10} seed {seed}: best {_pct(s.get('acc_mean_best'))} (round "
+             f"{s.get('best_round')}), final {_pct(s.get('acc_mean_final'))} ± "
+             f"{_pct(s.get('acc_std_final'))} across clients, "
+             f"up {s['bytes_up_total'] / 1e6:.2f} MB, down {s['bytes_down_total'] / 1e6:.2f} MB")
+
+    results = run_all(plan, out, jobs=jobs, threads=threads, progress=progress,
+                      on_finished=finished, echo=echo)
+    rows = []
+    for run in plan:
+        name, seed = of[run.name]
+        s = results[run.name].summary
+        rows.append({**{k: s.get(k) for k in RUN_COLUMNS}, "algorithm": name, "seed": seed,
+                     "model": run.config.model.name, "run_dir": run.name})
+    rows = with_statistics(rows, algorithms, reference)
     write_csv(out / "comparison.csv", COMPARISON_COLUMNS, rows)
-    write_bytes_atomic(out / "comparison.md", comparison_markdown(rows, algorithms, base).encode())
-    plot_data = {}
-    for name, per_seed in curves.items():
-        length = min(len(c) for c in per_seed)
-        x = np.array([r for r, _ in per_seed[0][:length]])
-        acc = np.array([[a for _, a in c[:length]] for c in per_seed])
-        plot_data[name] = (x, acc.mean(0), acc.std(0))
-    plot_curves(plot_data, out / "comparison.png",
-                f"{base.dataset.name}, {base.partition.clients} clients, {base.partition.scheme}")
+    write_bytes_atomic(out / "comparison.md",
+                       comparison_markdown(rows, algorithms, base, reference).encode())
+    plot_curves({name: seed_curves([results[run.name].curve for run in plan
+                                    if of[run.name][0] == name]) for name in algorithms},
+                out / "comparison.png",
+                "mean accuracy over the seeds (band: ± sample std over seeds)"
+                if len(seeds) > 1 else "mean accuracy",
+                setting=setting_line(base.model_dump()))
     return rows
 
 
-def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config) -> str:
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def with_statistics(rows: list[dict], algorithms: list[str], reference: str) -> list[dict]:
+    """The per-run rows with their algorithm's figures over seeds (mean, sample std,
+    t-interval) and, but for the reference's own rows, the run's difference to the
+    reference's run of the same seed, with that difference's mean and t-interval."""
+    ref = {r["seed"]: r for r in rows if r["algorithm"] == reference}
+    out = []
+    for name in algorithms:
+        sel = [r for r in rows if r["algorithm"] == name]
+        extra: dict = {"reference": reference, "n_seeds": len(sel)}
+        for fig in STAT_FIGURES:
+            extra.update(stats.columns(fig, stats.estimate(r[fig] for r in sel)))
+            if name != reference:
+                paired = stats.paired_estimate({r["seed"]: r[fig] for r in sel},
+                                               {k: r[fig] for k, r in ref.items()})
+                extra.update({k: v for k, v in stats.columns(f"{fig}_diff", paired).items()
+                              if k != f"{fig}_diff_sd"})
+        for r in sel:
+            diffs = {}
+            if name != reference and r["seed"] in ref:
+                for fig in STAT_FIGURES:
+                    d = stats.paired_differences({0: r[fig]}, {0: ref[r["seed"]][fig]})
+                    diffs[f"{fig}_diff"] = d.get(0)
+            out.append({**r, **extra, **diffs})
+    return out
+
+
+def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config,
+                        reference: str | None = None) -> str:
+    reference = reference or default_reference(algorithms)
     seeds = sorted({r["seed"] for r in rows})
+    several = len(seeds) > 1
     partial = base.train.participation < 1
     lines = [
         f"# Comparison on {base.dataset.name}",
@@ -123,32 +181,67 @@ def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config) -
         f"{base.partition.clients} clients, partition {base.partition.scheme} "
         f"(alpha {base.partition.alpha}), {base.train.rounds} rounds, participation "
         f"{base.train.participation}, seeds {', '.join(map(str, seeds))}. "
-        f"{'Mean ± std over seeds' if len(seeds) > 1 else 'One seed, so no spread over seeds'}; "
-        "accuracy is the unweighted mean over clients of each client's personalized model on "
-        "its own test split. *Best* is the best round (the papers' protocol), *final* the last.",
+        + ("Each cell is the mean ± the sample standard deviation (ddof = 1) over the seeds; "
+           "*95% CI* is Student's t-interval for the mean over the seeds. "
+           if several else
+           "One seed, so no spread over seeds and no interval (n/a); more seeds with "
+           "--seeds. ")
+        + "Accuracy is the unweighted mean over clients of each client's personalized model "
+        "on its own test split. *Best* is the best round (the papers' protocol), *final* "
+        "the last.",
         "*Each client's best* averages every client's own best round (KAPC Sec. 7.1's protocol "
         "for Local and FedAvg); with participation below 1, *selected* takes each round's mean "
         "over the clients selected in it (KAPC's client-selection scenario). The paper's "
-        "protocols can only flatter; the first two columns are ours.",
+        "protocols can only flatter; the first columns are ours.",
         "",
-        "| algorithm | model | best mean acc | final mean acc | final std across clients | "
-        "final worst client | each client's best | " + ("best over selected | " if partial else "")
-        + "MB up | MB down |",
-        "|---|---|---|---|---|---|---|" + ("---|" if partial else "") + "---|---|",
+        "| algorithm | model | best mean acc | best 95% CI | final mean acc | final 95% CI | "
+        "final std across clients | final worst client | each client's best | "
+        + ("best over selected | " if partial else "") + "MB up | MB down |",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if partial else "") + "---|---|",
     ]
     for name in algorithms:
         sel = [r for r in rows if r["algorithm"] == name]
 
-        def cell(key, scale=100.0, digits=2, sel=sel):
-            m, s = _mean_std([r[key] * scale if r[key] is not None else None for r in sel])
-            # a spread over one seed would read as a measured zero
-            return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if len(sel) > 1 else "")
+        def est(key, scale=100.0, sel=sel):
+            return stats.estimate(r[key] * scale if r[key] is not None else None for r in sel)
+
+        def cell(key, scale=100.0):
+            return stats.mean_sd_text(est(key, scale))
 
         selected = f"{cell('acc_mean_selected_best')} | " if partial else ""
-        lines.append(f"| {name} | {sel[0]['model']} | {cell('acc_mean_best')} | {cell('acc_mean_final')} | "
+        lines.append(f"| {name} | {sel[0]['model']} | {cell('acc_mean_best')} | "
+                     f"{stats.interval_text(est('acc_mean_best'))} | {cell('acc_mean_final')} | "
+                     f"{stats.interval_text(est('acc_mean_final'))} | "
                      f"{cell('acc_std_final')} | {cell('acc_min_final')} | "
                      f"{cell('acc_client_best_mean')} | {selected}"
                      f"{cell('bytes_up_total', 1e-6)} | {cell('bytes_down_total', 1e-6)} |")
-    lines.append("")
-    lines.append("Accuracies in %.")
+    lines += ["", "Accuracies in %."]
+    others = [name for name in algorithms if name != reference]
+    if others:
+        lines += [
+            "",
+            f"## Against {reference}, seed by seed",
+            "",
+            f"Each run minus the {reference} run of the same seed (the same partition and "
+            "client sequence), in percentage points: "
+            + ("the mean of these differences over the seeds and its 95% t-interval. Pairing "
+               "takes out what a seed does to every algorithm alike (an easy or a hard "
+               "partition), which the two algorithms' intervals side by side still hold; an "
+               "interval that excludes 0 is a difference these seeds support."
+               if several else "one seed's difference, with no interval (n/a)."),
+            "",
+            f"| algorithm | seeds | best mean acc − {reference} | 95% CI | "
+            f"final mean acc − {reference} | 95% CI |",
+            "|---|---|---|---|---|---|",
+        ]
+        ref = {r["seed"]: r for r in rows if r["algorithm"] == reference}
+        for name in others:
+            sel = {r["seed"]: r for r in rows if r["algorithm"] == name}
+            cells = []
+            for fig in STAT_FIGURES:
+                paired = stats.paired_estimate({k: r[fig] for k, r in sel.items()},
+                                               {k: r[fig] for k, r in ref.items()})
+                cells += [stats.mean_text(paired, 100, signed=True),
+                          stats.interval_text(paired, 100, signed=True)]
+            lines.append(f"| {name} | {len(sel)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
