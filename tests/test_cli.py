@@ -1,5 +1,6 @@
 """The command line: bad input gets exit code 2 and a message naming the value."""
 
+import csv
 import json
 
 import pytest
@@ -222,3 +223,106 @@ def test_compare_again_continues_an_interrupted_comparison(tmp_path):
     res = invoke("compare", "--algorithms", "local,fedavg", *FAST, "--set", "train.lr=0.9",
                  "--out", str(out))
     assert res.exit_code == 2 and "train.lr" in res.output
+
+
+def test_compare_table_has_sample_std_intervals_and_the_paired_difference(tmp_path):
+    res = invoke("compare", "--algorithms", "local,fedavg", "--seeds", "0,1", *FAST,
+                 "--set", "train.rounds=1", "--out", str(tmp_path / "c"))
+    assert res.exit_code == 0, res.output
+    table = (tmp_path / "c" / "comparison.md").read_text()
+    assert "sample standard deviation (ddof = 1)" in table and "| best 95% CI |" in table
+    assert "## Against fedavg, seed by seed" in table
+    assert any(line.startswith("| local | 2 | ") for line in table.splitlines())
+    with open(tmp_path / "c" / "comparison.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    local = [r for r in rows if r["algorithm"] == "local"]
+    fedavg = {r["seed"]: r for r in rows if r["algorithm"] == "fedavg"}
+    for r in local:  # the per-seed difference is this run minus fedavg's run of its seed
+        assert float(r["acc_mean_best_diff"]) == (float(r["acc_mean_best"])
+                                                 - float(fedavg[r["seed"]]["acc_mean_best"]))
+        assert r["reference"] == "fedavg" and r["n_seeds"] == "2"
+        assert float(r["acc_mean_final_ci_low"]) <= float(r["acc_mean_final_mean"])
+
+
+def test_compare_refuses_a_reference_it_does_not_run(tmp_path):
+    res = invoke("compare", "--algorithms", "local,fedprox", "--reference", "fedavg", *FAST,
+                 "--out", str(tmp_path / "c"))
+    assert res.exit_code == 2, res.output
+    assert "--reference 'fedavg'" in res.output and "local, fedprox" in res.output
+    assert not (tmp_path / "c").exists()
+    res = invoke("compare", "--algorithms", "local", "--jobs", "0", *FAST,
+                 "--out", str(tmp_path / "c"))
+    assert res.exit_code == 2 and "--jobs 0" in res.output, res.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_compare_in_worker_processes_equals_one_at_a_time(tmp_path):
+    one_round = [*FAST, "--set", "train.rounds=1", "--threads", "1"]
+    tables = {}
+    for jobs in ("1", "2"):
+        res = invoke("compare", "--algorithms", "local,fedavg", "--jobs", jobs, *one_round,
+                     "--out", str(tmp_path / jobs))
+        assert res.exit_code == 0, res.output
+        with open(tmp_path / jobs / "comparison.csv", newline="") as f:
+            tables[jobs] = [{k: v for k, v in r.items() if k.startswith("acc_")}
+                            for r in csv.DictReader(f)]
+    assert "2 runs, 2 at a time" in res.output
+    assert tables["1"] == tables["2"] and len(tables["1"]) == 2
+
+
+def test_a_failing_run_is_named_and_the_others_finish(tmp_path):
+    out = tmp_path / "c"
+    # a run already in the folder with another setting: resuming it is refused
+    assert invoke("run", *FAST, "--set", "algorithm.name=local", "--set", "train.lr=0.9",
+                  "--set", "train.rounds=1", "--out", str(out / "local-seed0")).exit_code == 0
+    res = invoke("compare", "--algorithms", "local,fedavg", *FAST, "--set", "train.rounds=1",
+                 "--out", str(out))
+    assert res.exit_code == 2, res.output
+    assert "1 of 2 runs failed" in res.output and "local-seed0: " in res.output
+    assert "train.lr" in res.output
+    assert (out / "fedavg-seed0" / "summary.json").is_file()
+    assert not (out / "comparison.csv").exists() and not (out / "comparison.md").exists()
+
+
+def test_sweep_runs_every_combination_and_tabulates_it(tmp_path):
+    out = tmp_path / "s"
+    args = ["sweep", "--grid", "train.lr=0.01,0.05", "--grid", "partition.alpha=0.5",
+            *FAST, "--set", "train.rounds=1", "--out", str(out)]
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "lr=0.01+alpha=0.5-seed0", "lr=0.05+alpha=0.5-seed0"]
+    assert json.loads((out / "lr=0.05+alpha=0.5-seed0" / "config.json").read_text())[
+        "train"]["lr"] == 0.05
+    with open(out / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["train.lr"], r["partition.alpha"], r["n_seeds"]) for r in rows] == [
+        ("0.01", "0.5", "1"), ("0.05", "0.5", "1")]
+    assert rows[0]["acc_mean_best_mean"] and rows[0]["acc_mean_best_ci_low"] == ""  # one seed
+    table = (out / "sweep.md").read_text()
+    assert "| train.lr | partition.alpha | best mean acc |" in table and "n/a" in table
+    assert (out / "sweep.png").is_file()
+    # again, as after an interruption: finished runs are kept as they are
+    kept = (out / "lr=0.01+alpha=0.5-seed0" / "metrics.csv").read_bytes()
+    for name in ("sweep.csv", "sweep.md", "sweep.png"):
+        (out / name).unlink()
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    assert (out / "lr=0.01+alpha=0.5-seed0" / "metrics.csv").read_bytes() == kept
+    res = invoke(*args)
+    assert res.exit_code == 2 and "already holds a sweep" in res.output
+
+
+@pytest.mark.parametrize("grid,words", [
+    ("train.bogus=1,2", ["unknown setting 'train.bogus'", "rounds"]),
+    ("partition.alpha=0.5,-1", ["partition.alpha = -1", "greater than 0"]),
+    ("train.rounds", ["train.rounds", "key=v1,v2"]),
+])
+def test_sweep_checks_every_combination_before_running(tmp_path, grid, words):
+    res = invoke("sweep", "--grid", "train.lr=0.01,0.05", "--grid", grid, *FAST,
+                 "--out", str(tmp_path / "s"))
+    assert res.exit_code == 2, res.output
+    for word in words:
+        assert word in res.output, (word, res.output)
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "s").exists()

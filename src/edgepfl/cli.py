@@ -1,4 +1,4 @@
-"""The ``edgepfl`` command line: run, compare, report, list."""
+"""The ``edgepfl`` command line: run, compare, sweep, report, list."""
 
 from __future__ import annotations
 
@@ -150,20 +150,37 @@ def _csv_list(value: str, kind: type, option: str) -> list:
     return items
 
 
+JOBS_HELP = ("runs at once, each in its own worker process with --threads torch threads "
+             "(default: the cores shared out); results equal one-at-a-time runs")
+RESUMABLE = ("the same command again continues: finished runs are kept, an interrupted one "
+             "resumes from its checkpoint")
+
+
+def _print_table(kind: str, out: Path) -> None:
+    click.echo((out / f"{kind}.md").read_text())
+    click.echo(f"written: {out}/{kind}.csv, {kind}.md, {kind}.png")
+
+
 @main.command()
 @click.argument("config", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--algorithms", required=True, help="comma-separated, e.g. local,fedavg,fedprox")
 @click.option("--seeds", help="comma-separated seeds (default: the configuration's seed, 0)")
+@click.option("--reference", metavar="NAME",
+              help="the algorithm the others are paired with, seed by seed (default: fedavg "
+              "if compared, else the first)")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a setting")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="output directory (default runs/compare-<time>)")
+@click.option("--jobs", type=int, default=1, show_default=True, help=JOBS_HELP)
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
-@_user_errors("the same command again continues: finished runs are kept, an interrupted one "
-              "resumes from its checkpoint")
-def compare(config: Path | None, algorithms: str, seeds: str | None, overrides: tuple[str, ...],
-            out: Path | None, quiet: bool, threads: int | None) -> None:
-    """Compare algorithms on the same partition and client sequence, over seeds."""
+@_user_errors(RESUMABLE)
+def compare(config: Path | None, algorithms: str, seeds: str | None, reference: str | None,
+            overrides: tuple[str, ...], out: Path | None, jobs: int, quiet: bool,
+            threads: int | None) -> None:
+    """Compare algorithms on the same partition and client sequence, over seeds: mean,
+    sample std and 95% t-interval per algorithm, and each one's paired difference to the
+    reference."""
     from datetime import datetime
 
     _threads(threads)
@@ -177,9 +194,48 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, overrides: 
     cfg = config_from_sources(config, list(overrides))
     seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
     out = out or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    run_compare(cfg, names, seed_list, out, progress=_progress_flag(quiet), echo=click.echo)
-    click.echo((out / "comparison.md").read_text())
-    click.echo(f"written: {out}/comparison.csv, comparison.md, comparison.png")
+    run_compare(cfg, names, seed_list, out, progress=_progress_flag(quiet), echo=click.echo,
+                jobs=jobs, threads=threads, reference=reference)
+    _print_table("comparison", out)
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--grid", "grid", multiple=True, metavar="KEY=V1,V2,...",
+              help="a setting and its values, read as TOML like --set's, e.g. "
+              "--grid train.lr=0.01,0.05 (repeatable: every combination runs)")
+@click.option("--seeds", help="comma-separated seeds (default: the configuration's seed, 0)")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="a setting fixed for every run")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="output directory (default runs/sweep-<time>)")
+@click.option("--jobs", type=int, default=1, show_default=True, help=JOBS_HELP)
+@click.option("--quiet", is_flag=True, help="no progress display")
+@click.option("--threads", type=int, help=THREADS_HELP)
+@_user_errors(RESUMABLE)
+def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
+          overrides: tuple[str, ...], out: Path | None, jobs: int, quiet: bool,
+          threads: int | None) -> None:
+    """Run every combination of settings over seeds: one run directory each, and a table of
+    best and final accuracy (mean, sample std, 95% t-interval over seeds) per combination.
+
+    \b
+    edgepfl sweep --grid train.lr=0.01,0.05 --grid partition.alpha=0.1,0.5 --seeds 0,1
+    """
+    from datetime import datetime
+
+    _threads(threads)
+    from edgepfl.config import config_from_sources
+    from edgepfl.report.sweep import parse_grid
+    from edgepfl.report.sweep import sweep as run_sweep
+
+    axes = parse_grid(grid, overrides)
+    cfg = config_from_sources(config, list(overrides))
+    seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
+    out = out or Path("runs") / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    run_sweep(cfg, axes, seed_list, out, progress=_progress_flag(quiet), echo=click.echo,
+              jobs=jobs, threads=threads)
+    _print_table("sweep", out)
 
 
 @main.command()
