@@ -224,6 +224,9 @@ class FaultsConfig(_Section):
                                           "than this is rejected as malformed (None: no cap)")
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+
+
 class OutputConfig(_Section):
     checkpoint_every: int | Literal["auto", "never"] = Field(
         "auto", description="write a checkpoint every this many rounds (and after the last); "
@@ -238,6 +241,30 @@ class OutputConfig(_Section):
             raise ValueError("must be 'auto', 'never' or a whole number of rounds >= 1")
         return value
     plots: bool = Field(True, description="write PNG plots into the run directory")
+    trackers: list[str] = Field(
+        default_factory=list, description="experiment trackers that also receive the run: "
+        "any of tensorboard (event files in <run dir>/tensorboard), mlflow (output.mlflow_uri) "
+        "and wandb (offline unless WANDB_MODE says otherwise); each needs its extra, e.g. "
+        "pip install 'edgepfl[tensorboard]'; a resumed run goes on in the same tracker run")
+    mlflow_uri: str | None = Field(
+        None, description="MLflow tracking URI; default an SQLite store beside the run "
+        "directories (sqlite:///<parent of the run dir>/mlflow.db)")
+    experiment: str = Field("edgepfl", min_length=1, description="the MLflow experiment and "
+                            "the W&B project that runs are filed under")
+
+    @field_validator("trackers", mode="before")
+    @classmethod
+    def _trackers(cls, value: Any) -> Any:
+        if isinstance(value, str):  # a Flower run config holds scalars: "tensorboard,mlflow"
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            return value  # pydantic names the type error
+        unknown = [v for v in value if v not in TRACKERS]
+        if unknown:
+            raise ValueError(f"unknown tracker{'s' if len(unknown) > 1 else ''} "
+                             f"{', '.join(map(repr, unknown))}; valid trackers: "
+                             f"{', '.join(TRACKERS)}")
+        return list(dict.fromkeys(value))  # each tracker once, in the order given
 
 
 class AlgorithmConfig(BaseModel):

@@ -1,9 +1,10 @@
 """The run driver, written once for every runtime, and the run directory it fills.
 
 ``drive`` runs the rounds of a ``Rounds`` to the end and calls each ``Hook`` after every
-round: the metrics file, the checkpoint policy and the progress line are hooks, and so is
-any side work a caller adds. ``run_rounds`` is what both runtimes call: the driver, then
-the summary and the files a finished run leaves.
+round: the metrics file, the checkpoint policy, the progress line and the experiment
+trackers (``engine.trackers``) are hooks, and so is any side work a caller adds.
+``run_rounds`` is what both runtimes call: the driver, then the summary and the files a
+finished run leaves.
 
 The run directory holds config.json, metrics.csv, failures.csv, checkpoint.safetensors
 (tensors in safetensors, everything else in its JSON metadata) and, once the run is
@@ -40,7 +41,7 @@ CHECKPOINT = "checkpoint.safetensors"
 class Hook:
     """Side work of a run, called by ``drive``: ``after_round`` with the round's metrics
     row once the round is complete, ``after_run`` once the last round is done (not when
-    the run fails), ``close`` always, last."""
+    the run fails), ``close`` always, last. ``run_rounds`` adds ``after_summary``."""
 
     def after_round(self, rounds: Rounds, row: dict) -> None:
         return None
@@ -49,6 +50,12 @@ class Hook:
         return None
 
     def close(self) -> None:
+        return None
+
+    def after_summary(self, summary: dict, out: Path | None) -> None:
+        """Called by ``run_rounds`` after ``close``, once the run is done and its finished
+        files are written (summary.json, the plots; ``out``: the run directory, if any),
+        with the summary; not when the run or writing those files fails."""
         return None
 
 
@@ -152,14 +159,35 @@ def run_rounds(rounds: Rounds, out: Path | None, *, label: str, progress: bool |
                hooks: Sequence[Hook] = ()) -> dict:
     """What a runtime does with its ``Rounds``: drive it with the run directory's hooks
     (``out``: none without one) and ``hooks`` after them, then write the finished run's
-    files. Returns the summary, with ``extra()`` taken once the rounds are done."""
+    files. The experiment trackers of ``output.trackers`` are hooks too, set up before
+    the first round. Returns the summary, with ``extra()`` taken once the rounds are
+    done."""
+    from edgepfl.engine.trackers import tracker_hooks  # it builds on Hook: import it late
+
     own: list[Hook] = []
     if out is not None:
         own += [MetricsFile(out, columns), Checkpoints(out, rounds.cfg, clients)]
-    drive(rounds, [*own, *hooks, ProgressLine(rounds, label, progress)])
-    summary = rounds.summary(**extra())
-    if out is not None:
-        finish_run_dir(out, rounds.cfg, summary, rounds.server, rounds.metrics)
+    trackers = tracker_hooks(rounds.cfg, out)
+    every = [*own, *hooks, *trackers]
+    drive(rounds, [*every, ProgressLine(rounds, label, progress)])
+    try:
+        summary = rounds.summary(**extra())
+        if out is not None:
+            finish_run_dir(out, rounds.cfg, summary, rounds.server, rounds.metrics)
+    except BaseException:
+        # the trackers wait for after_summary() to end their runs: they would stay open
+        for tracker in trackers:
+            tracker.end(ok=False)
+        raise
+    failures = []
+    for hook in every:
+        # a failing hook (a tracker's server gone) must not keep the others from ending
+        try:
+            hook.after_summary(summary, out)
+        except Exception as exc:
+            failures.append(exc)
+    if failures:
+        raise failures[0]
     return summary
 
 
@@ -243,13 +271,19 @@ def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 # how a run executes, not what it computes: a run may be resumed with other values
 EXECUTION = ("rounds", "device", "workers", "batch_clients", "store", "store_dir")
+# where a run is reported, not what it computes: trackers may be added or dropped
+TRACKING = ("trackers", "mlflow_uri", "experiment")
 
 
 def without_rounds(cfg: dict) -> dict:
     """``cfg`` without the train settings of ``EXECUTION`` (the run's length and where it
-    runs), which a resumed or extended run may change."""
-    return {**cfg, "train": {k: v for k, v in cfg.get("train", {}).items()
-                             if k not in EXECUTION}}
+    runs) and the output settings of ``TRACKING`` (the experiment trackers), which a
+    resumed or extended run may change."""
+    out = {**cfg, "train": {k: v for k, v in cfg.get("train", {}).items()
+                            if k not in EXECUTION}}
+    if isinstance(cfg.get("output"), dict):
+        out["output"] = {k: v for k, v in cfg["output"].items() if k not in TRACKING}
+    return out
 
 
 def with_before(cfg: dict) -> dict:
@@ -270,7 +304,7 @@ def comparable(cfg: dict) -> dict:
     ``algorithm.allow_plain_norm`` existed did not lift the refusal; where such a run did
     what is no longer the default, ``Hyperparameters.before`` says what it did: an
     ``hmpl`` run from before ``algorithm.first_round`` trained round 1's sample), without
-    ``train.rounds``."""
+    the settings ``without_rounds`` drops (``train.rounds``, the trackers)."""
     try:
         built = build_config(with_before(cfg))
     except ConfigError:
