@@ -329,7 +329,7 @@ def test_plain_norm_coaching_loss_is_refused_with_the_reason(name):
 
 
 def test_plain_norm_opt_in_for_ablations_warns_and_reaches_the_client():
-    # the f_s-form ablation (bench/README.md) needs the plain norm on purpose: the opt-in
+    # the f_s-form ablation (bench/LOG.md, "KAPC below its paper") needs the plain norm on purpose: the opt-in
     # must say what it does and the clients must then coach with ||w - s||, not ||w - s||^2
     runs = {}
     for loss in ("squared", "l2"):

@@ -499,41 +499,52 @@ class DCPFLServer(Server):
         self._metrics["layers_up_mean"] = float(np.mean([len(u) for u in ups.values()])) if ups else 0.0
 
         if mode == WARMUP:
-            cids = sorted(replies)
-            if len(cids) >= 2:
-                d = discrepancy_of([[replies[c].tensors[n] for n in self.params] for c in cids])
-                idx = torch.tensor(cids)
-                self.disc_sum[idx.unsqueeze(1), idx] += d
-                self.disc_count[idx.unsqueeze(1), idx] += 1
-            if rnd >= hp.t_start:
-                z, self.gamma_global = group_graph(self._discrepancy(rnd))
-                self.z = torch.from_numpy(z).to(torch.float64)
-                self.built = True
-                fixed = hp.fixed_gamma is not None
-                self.gamma = hp.fixed_gamma if fixed else 1.0
-                self.labels = cut(z, self.gamma_global, self.gamma, n)
-                if fixed:
-                    self.done = True  # NoDC: this grouping is final
-                    self.history.append((rnd, self.gamma, list(self.labels)))
-                self.phase_start = rnd
-                self._classify(self.labels)
-                self.mode = NORMAL
+            self._warm_up(rnd, replies)
         elif mode == SYNC:
-            # fresh full weights: the old (M0) and proposed (M1) group models of the trial
-            full = {c: list(self.names) for c in range(n)}
-            # a group with no member in this round has no fresh model: its members compare
-            # their current group model (not a missing or an earlier trial's one)
-            for c in range(n):
-                current = self.group.row(c)
-                self.trial0.set_row(c, current)
-                self.trial1.set_row(c, current)
-            self._aggregate_groups(self.labels, replies, full, self.trial0)
-            self._aggregate_groups(self.proposal, replies, full, self.trial1)
-            self.mode = TRIAL
+            self._open_trial(replies)
             return
         elif mode == NORMAL and (rnd - self.phase_start) % (hp.alpha * self.tau_rounds) == 0:
             self._classify(self.labels)  # every layer was just synchronised: re-derive Eq. 6
         self._after(rnd)
+
+    def _warm_up(self, rnd: int, replies: dict[int, Message]) -> None:
+        """Warm-up: accumulate the replying clients' pairwise discrepancies; at t_start,
+        build the grouping graph over them and cut it at gamma = 1 (or the fixed gamma)."""
+        hp, n = self.hp, self.ctx.num_clients
+        cids = sorted(replies)
+        if len(cids) >= 2:
+            d = discrepancy_of([[replies[c].tensors[k] for k in self.params] for c in cids])
+            idx = torch.tensor(cids)
+            self.disc_sum[idx.unsqueeze(1), idx] += d
+            self.disc_count[idx.unsqueeze(1), idx] += 1
+        if rnd >= hp.t_start:
+            z, self.gamma_global = group_graph(self._discrepancy(rnd))
+            self.z = torch.from_numpy(z).to(torch.float64)
+            self.built = True
+            fixed = hp.fixed_gamma is not None
+            self.gamma = hp.fixed_gamma if fixed else 1.0
+            self.labels = cut(z, self.gamma_global, self.gamma, n)
+            if fixed:
+                self.done = True  # NoDC: this grouping is final
+                self.history.append((rnd, self.gamma, list(self.labels)))
+            self.phase_start = rnd
+            self._classify(self.labels)
+            self.mode = NORMAL
+
+    def _open_trial(self, replies: dict[int, Message]) -> None:
+        """A sync round's fresh full weights: the old (M0) and proposed (M1) group models
+        of the split trial."""
+        n = self.ctx.num_clients
+        full = {c: list(self.names) for c in range(n)}
+        # a group with no member in this round has no fresh model: its members compare
+        # their current group model (not a missing or an earlier trial's one)
+        for c in range(n):
+            current = self.group.row(c)
+            self.trial0.set_row(c, current)
+            self.trial1.set_row(c, current)
+        self._aggregate_groups(self.labels, replies, full, self.trial0)
+        self._aggregate_groups(self.proposal, replies, full, self.trial1)
+        self.mode = TRIAL
 
     def _after(self, rnd: int) -> None:
         """Decide whether the next round is a sync round opening a split trial."""

@@ -42,7 +42,7 @@ def select_device(setting: str) -> torch.device:
     if device.type == "cuda":
         # cuDNN's default TF32 convolutions round inputs to 10 mantissa bits: after two
         # rounds of SGD a MOON run's accuracy moved 3 points from the CPU's; in float32
-        # every algorithm lands within 1e-5 of it (bench/README.md, "On a GPU")
+        # every algorithm lands within 1e-5 of it (bench/checks/README.md, "Every algorithm on a GPU")
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
     return device

@@ -78,8 +78,8 @@ class KAPCHyperparameters(Hyperparameters):
     lam: float = Field(0.1, ge=0, description=(
         "lambda: weight of the coaching term f_s in the client loss (Eq. 16) and in R's "
         "objective (Eq. 11); the paper's ablation (Fig. 6) is centred on lambda = 1, which "
-        "measured at or under 0.1 in every Table 1 and IID setting tried (bench/README.md, "
-        "'Lambda'): set 1 for the paper's"))
+        "measured at or under 0.1 in every Table 1 and IID setting tried (bench/LOG.md, "
+        "'Lambda 0.1 against 1, seed by seed'): set 1 for the paper's"))
     beta: float = Field(0.01, ge=0, description=(
         "beta: pull of every relation vector towards 1/N (Eq. 11); Fig. 6 uses "
         "beta/(2 lambda) = 0.005 at alpha = 0.1, i.e. beta = 0.01 at lambda = 1 (kept at "

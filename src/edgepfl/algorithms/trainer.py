@@ -33,7 +33,7 @@ class Trainer(BatchedTraining, Evaluation):
 
     Convolutional models run in channels-last memory layout: oneDNN's NCHW kernels for
     max pooling and convolution backward are up to twice as slow on CPU for the small
-    batches of federated clients (bench/README.md). The layout changes strides only,
+    batches of federated clients (bench/speed/README.md). The layout changes strides only,
     never values' meaning; weights leave the skeleton in the default layout, so messages,
     stores and checkpoints never see it.
     """

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from edgepfl.algorithms.base import Client, UpdateResult
-from edgepfl.algorithms.training import ClientData, TestData, eval_parts, sample_count
+from edgepfl.algorithms.client_data import ClientData, TestData, eval_parts, sample_count
 from edgepfl.config import Config
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition, validation_split

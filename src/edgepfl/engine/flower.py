@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from flwr.supercore.run import Run
 
 from edgepfl.algorithms.base import Client
-from edgepfl.algorithms.training import sample_count
+from edgepfl.algorithms.client_data import sample_count
 from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.data.datasets import Dataset, load_dataset
 from edgepfl.data.partition import Partition

@@ -22,7 +22,8 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     Server,
 )
-from edgepfl.algorithms.training import Trainer, select_device
+from edgepfl.algorithms.devices import select_device
+from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import Config, build_config
 from edgepfl.data import load_dataset, make_partition
 from edgepfl.data.aspect import Crops, parse_ratios

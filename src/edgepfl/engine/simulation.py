@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from edgepfl.algorithms.base import states_fit
-from edgepfl.algorithms.training import ClientData, TestData, sample_count
+from edgepfl.algorithms.client_data import ClientData, TestData, sample_count
 from edgepfl.config import Config, build_config
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition
