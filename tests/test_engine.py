@@ -319,3 +319,14 @@ def test_a_hook_sees_every_round_and_is_closed_when_the_run_fails(monkeypatch):
     sim = Simulation(fast_config("train.rounds=3"), progress=False)
     crash_after(sim, 1, monkeypatch, hooks=[cut])
     assert (cut.rows, cut.finished, cut.closed) == ([(1, 1, 1)], 0, 1)
+
+
+def test_a_resume_takes_the_resuming_commands_execution_settings(tmp_path, monkeypatch):
+    cfg = fast_config("train.rounds=3")
+    whole = start_run(cfg, tmp_path / "whole", progress=False)
+    crash_after(Simulation(cfg, tmp_path / "cut", progress=False), 1, monkeypatch)
+    resumed = resume_run(tmp_path / "cut", progress=False, overrides=["train.store=disk"])
+    assert json.loads((tmp_path / "cut" / "config.json").read_text())["train"]["store"] == "disk"
+    assert _strip(resumed.metrics) == _strip(whole.metrics)
+    with pytest.raises(ConfigError, match="train.lr"):
+        resume_run(tmp_path / "cut", progress=False, overrides=["train.lr=0.5"])

@@ -81,7 +81,7 @@ from edgepfl.engine.ledger import METRIC_COLUMNS
 from edgepfl.engine.parts import Parts, load_federation, resolve
 from edgepfl.engine.progress import configure_logging
 from edgepfl.engine.rounds import Rounds
-from edgepfl.engine.rundir import CHECKPOINT, load_checkpoint, run_rounds
+from edgepfl.engine.rundir import CHECKPOINT, load_checkpoint, run_rounds, without_rounds
 from edgepfl.engine.transport import ClientFailure, ClientReply, Figures, Transport
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message, MessageError
@@ -230,15 +230,15 @@ def _client(context: Context) -> tuple[Config, int, _Node]:
 
 def _state_file(context: Context, cfg: Config, cid: int) -> Path | None:
     """Where node config ``state-dir`` keeps client ``cid``'s state of this run (the run is
-    its configuration less ``train.rounds``, which a resumed run may extend)."""
+    its configuration less the settings a resumed run may change: ``train.rounds``, where
+    it executes, its trackers; ``rundir.without_rounds``)."""
     root = context.node_config.get(STATE_DIR)
     if root is None:
         return None
     if not isinstance(root, str) or not root:
         raise ConfigError(f"SuperNode {context.node_id} has node config {STATE_DIR}={root!r}; "
                           "it must be a folder path")
-    settings = cfg.model_dump()
-    settings["train"].pop("rounds", None)
+    settings = without_rounds(cfg.model_dump())
     run = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return Path(root) / run / f"client-{cid}.safetensors"
 

@@ -286,6 +286,17 @@ def without_rounds(cfg: dict) -> dict:
     return out
 
 
+def execution_changes(stored: dict, new: dict) -> list[str]:
+    """The settings of how a run executes (``EXECUTION``, ``TRACKING``) whose values differ
+    between two configurations, as dotted keys."""
+    def value(cfg: dict, section: str, key: str) -> Any:
+        part = cfg.get(section)
+        return part.get(key) if isinstance(part, dict) else None
+
+    keys = [("train", k) for k in EXECUTION] + [("output", k) for k in TRACKING]
+    return [f"{s}.{k}" for s, k in keys if value(stored, s, k) != value(new, s, k)]
+
+
 def with_before(cfg: dict) -> dict:
     """A stored configuration with ``Hyperparameters.before`` filled in for the algorithm
     settings it lacks: what a run written before those settings existed did, so that it

@@ -39,6 +39,7 @@ from edgepfl.engine.rundir import (
     comparable,
     config_diff,
     default_run_dir,
+    execution_changes,
     load_checkpoint,
     run_rounds,
     save_checkpoint,
@@ -388,10 +389,11 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
         if rounds < stored["train"]["rounds"]:
             raise ConfigError(f"cannot resume {run_dir} with train.rounds={rounds}: the run has "
                               f"{stored['train']['rounds']}; a run can be extended, not shortened")
-        if rounds > stored["train"]["rounds"]:
-            if not (run_dir / CHECKPOINT).exists():
-                raise ConfigError(f"cannot extend {run_dir}: it has no checkpoint to go on from")
-            run_cfg = build_config(given)
+        if rounds > stored["train"]["rounds"] and not (run_dir / CHECKPOINT).exists():
+            raise ConfigError(f"cannot extend {run_dir}: it has no checkpoint to go on from")
+        # how the run goes on (its length, where it runs, its trackers) is the resuming
+        # command's; what it computes has just been checked to be the run's
+        run_cfg = build_config(given)
     ckpt = run_dir / CHECKPOINT
     if not ckpt.exists() and (run_dir / "summary.json").exists():
         raise EdgepflError(f"{run_dir} holds a finished run without its checkpoint (kept "
@@ -400,9 +402,10 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
         sim = Simulation(run_cfg, run_dir, progress=progress, **kwargs)
     if ckpt.exists():
         sim.load_checkpoint(ckpt)
-    if run_cfg.train.rounds != stored["train"]["rounds"]:
-        # only once the checkpoint has loaded: a refused extension leaves the run as it was;
-        # the old summary goes, so that an interrupted extension does not look finished
+    # only once the checkpoint has loaded: a refused resume leaves the run as it was
+    if execution_changes(stored, run_cfg.model_dump()):
         write_json(run_dir / "config.json", run_cfg.model_dump())
+    if run_cfg.train.rounds != stored["train"]["rounds"]:
+        # the old summary goes, so that an interrupted extension does not look finished
         (run_dir / "summary.json").unlink(missing_ok=True)
     return sim.run()
