@@ -62,6 +62,86 @@ class Hyperparameters(BaseModel):
     # value a stored configuration without the key ran with (``config.comparable``), so
     # that a kept run is never mistaken for one of today's default
     before: ClassVar[dict[str, Any]] = {}
+    # the settings worth searching (``edgepfl tune``), by hyperparameter name: those the
+    # method's paper tunes or shows it is sensitive to, over ranges whose every value the
+    # fields' own checks accept, alone and in any combination
+    search_space: ClassVar[dict[str, SearchRange]] = {}
+    # train.* settings of the common search space (``report.tune.TRAIN_SPACE``) that the
+    # method never reads: a trial spent on them would only measure noise
+    not_searched: ClassVar[tuple[str, ...]] = ()
+
+
+@dataclass(frozen=True)
+class LogUniform:
+    """A float range searched on a log scale: ``0 < low < high``."""
+
+    low: float
+    high: float
+
+    def __post_init__(self) -> None:
+        if not (0 < self.low < self.high):
+            raise ValueError(f"a log-uniform range needs 0 < LOW < HIGH, got LOW = {self.low!r}, "
+                             f"HIGH = {self.high!r}")
+
+    def ends(self) -> tuple[Any, ...]:
+        return (self.low, self.high)
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """A float range searched on a linear scale: ``low < high``."""
+
+    low: float
+    high: float
+
+    def __post_init__(self) -> None:
+        if not (self.low < self.high):
+            raise ValueError(f"a uniform range needs LOW < HIGH, got LOW = {self.low!r}, "
+                             f"HIGH = {self.high!r}")
+
+    def ends(self) -> tuple[Any, ...]:
+        return (self.low, self.high)
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """Whole numbers from ``low`` to ``high``, both included: ``low < high``."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.low, self.high)):
+            raise ValueError(f"an int range needs whole numbers, got LOW = {self.low!r}, "
+                             f"HIGH = {self.high!r}")
+        if not (self.low < self.high):
+            raise ValueError(f"an int range needs LOW < HIGH, got LOW = {self.low!r}, "
+                             f"HIGH = {self.high!r}")
+
+    def ends(self) -> tuple[Any, ...]:
+        return (self.low, self.high)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a few values (numbers, strings, booleans), none twice, at least two."""
+
+    options: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.options) < 2:
+            raise ValueError(f"a choice needs at least two values, got {list(self.options)!r}")
+        if len(set(map(repr, self.options))) < len(self.options):
+            raise ValueError(f"a choice names a value twice: {list(self.options)!r}")
+        bad = [v for v in self.options if not isinstance(v, bool | int | float | str)]
+        if bad:
+            raise ValueError(f"a choice holds numbers, strings or booleans, not {bad[0]!r}")
+
+    def ends(self) -> tuple[Any, ...]:
+        return self.options
+
+
+SearchRange = LogUniform | Uniform | IntRange | Choice
 
 
 @dataclass(frozen=True)
