@@ -366,9 +366,13 @@ def test_fedamp_with_lamda_zero_is_local_training_and_positive_lamda_is_not():
 
 
 def test_fedamp_defaults_do_not_switch_the_method_off():
-    # at the defaults the proximal pull (lamda / alpha_k = 1) changes training measurably
-    hp = get_algorithm("fedamp").hyperparameters()
-    assert hp.lamda / hp.alphaK >= 0.1
+    # at the defaults the proximal pull (lamda / alpha_k = 1) changes training measurably,
+    # and the defaults follow the federation's size within the self-weight bound
+    from edgepfl.engine.parts import resolve
+    for n, alpha in [(6, 0.25), (21, 0.25), (30, 5.0 / 29), (1000, 5.0 / 999)]:
+        hp = resolve(fast_config("algorithm.name=fedamp", f"partition.clients={n}")).algorithm
+        assert (hp.alphaK, hp.lamda) == (alpha, alpha)
+        assert hp.alphaK * (n - 1) / hp.sigma <= 1
     assert _training("algorithm.name=fedamp") != _training("algorithm.name=local")
 
 

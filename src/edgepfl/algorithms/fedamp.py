@@ -38,13 +38,24 @@ from edgepfl.federation.messages import Message, MessageError, check_message
 
 
 class FedAMPHyperparameters(Hyperparameters):
-    alphaK: float = Field(0.25, gt=0, description="message-passing step alpha_k; needs "
-                          "alpha_k (N - 1) / sigma <= 1 so that self-weights stay >= 0 "
-                          "(docs/algorithms.md: why 0.25)")
-    lamda: float = Field(0.25, ge=0, description="regularization weight lambda; the client's "
-                         "proximal gradient is (lambda / alpha_k)(w - u_i), 1 x at the defaults")
+    alphaK: float | None = Field(None, gt=0, description="message-passing step alpha_k; needs "
+                                 "alpha_k (N - 1) / sigma <= 1 so that self-weights stay >= 0; "
+                                 "default 0.25, or sigma / (N - 1) where N clients allow less "
+                                 "(docs/algorithms.md: why 0.25)")
+    lamda: float | None = Field(None, ge=0, description="regularization weight lambda; the "
+                                "client's proximal gradient is (lambda / alpha_k)(w - u_i); "
+                                "default alpha_k, 1 x")
     sigma: float = Field(5.0, gt=0, description="scale of the attention function "
                          "A(x) = 1 - exp(-x / sigma), in squared parameter distance")
+
+
+def complete(cfg, hp: FedAMPHyperparameters) -> FedAMPHyperparameters:
+    """The defaults that depend on the federation's size, made explicit: alpha_k as large as
+    the self-weights allow up to 0.25, and lambda equal to it (a proximal pull of 1 x)."""
+    n = cfg.partition.clients
+    alpha = hp.alphaK if hp.alphaK is not None else min(0.25, hp.sigma / max(n - 1, 1))
+    lamda = hp.lamda if hp.lamda is not None else alpha
+    return hp.model_copy(update={"alphaK": alpha, "lamda": lamda})
 
 
 def squared_distances(flat: torch.Tensor) -> torch.Tensor:
@@ -145,4 +156,5 @@ ALGORITHM = Algorithm(
     server=FedAMPServer,
     client=FedAMPClient,
     paper="Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021",
+    complete=complete,
 )
