@@ -64,7 +64,8 @@ class Hyperparameters(BaseModel):
     before: ClassVar[dict[str, Any]] = {}
     # the settings worth searching (``edgepfl tune``), by hyperparameter name: those the
     # method's paper tunes or shows it is sensitive to, over ranges whose every value the
-    # fields' own checks accept, alone and in any combination
+    # fields' own checks accept, alone and in any combination; a ``train.<key>`` entry
+    # replaces the common range of that setting for this method (``report.tune``)
     search_space: ClassVar[dict[str, SearchRange]] = {}
     # train.* settings of the common search space (``report.tune.TRAIN_SPACE``) that the
     # method never reads: a trial spent on them would only measure noise

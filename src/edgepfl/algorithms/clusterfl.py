@@ -37,7 +37,10 @@ from pydantic import Field
 from edgepfl.algorithms.base import (
     Algorithm,
     Hyperparameters,
+    IntRange,
+    LogUniform,
     PersonalModelClient,
+    SearchRange,
     Server,
     ServerContext,
     State,
@@ -54,6 +57,11 @@ _KMEANS_ITERS = 100  # Lloyd iterations cap; K-means on N <= a few hundred rows 
 
 
 class ClusterFLHyperparameters(Hyperparameters):
+    # K and the ADMM pull, both our choices where the paper is silent
+    search_space: ClassVar[dict[str, SearchRange]] = {
+        "num_clusters": IntRange(2, 5),
+        "rho": LogUniform(0.01, 1.0),
+    }
     num_clusters: int = Field(3, ge=1, description="K, the number of clusters (columns of the "
                                                    "indicator matrix F); our choice, the DC-PFL "
                                                    "paper does not state it; capped at the "

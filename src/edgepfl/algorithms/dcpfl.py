@@ -37,9 +37,11 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Hyperparameters,
     PersonalModelClient,
+    SearchRange,
     Server,
     ServerContext,
     State,
+    Uniform,
     UpdateResult,
     model_from_state,
     model_to_state,
@@ -64,6 +66,8 @@ MODE_NAMES = {WARMUP: "warmup", NORMAL: "normal", SYNC: "sync", TRIAL: "trial"}
 
 
 class DCPFLHyperparameters(Hyperparameters):
+    # the step of the split threshold, which decides how finely the clients are grouped
+    search_space: ClassVar[dict[str, SearchRange]] = {"lambda_gamma": Uniform(0.05, 0.5)}
     t_start: int = Field(5, ge=1, description="warm-up rounds whose model discrepancy is averaged "
                                                "(paper Sec. V: 'after 5 training rounds')")
     s: int = Field(5, ge=1, description="loss smoothing window in rounds (paper Sec. III-C: 5)")

@@ -18,6 +18,8 @@ classifier, the split PFLlib and FL-bench use; the paper reports several counts 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import Field
 
@@ -26,6 +28,8 @@ from edgepfl.algorithms.base import (
     Client,
     ClientContext,
     Hyperparameters,
+    IntRange,
+    SearchRange,
     ServerContext,
     State,
     UpdateResult,
@@ -41,6 +45,8 @@ PERSONAL = "personal."
 
 
 class FedPerHyperparameters(Hyperparameters):
+    # K_P, the personalization layers the paper varies; 2 keeps a base layer on any model
+    search_space: ClassVar[dict[str, SearchRange]] = {"personal_layers": IntRange(1, 2)}
     personal_layers: int = Field(
         1, ge=0, description="personalization layers K_P: the last K_P parameterised layers "
         "(LayerSpec's layers, a BatchNorm module counts as one) never leave the client; 1 = the "

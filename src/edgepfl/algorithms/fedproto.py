@@ -24,7 +24,9 @@ from edgepfl.algorithms.base import (
     Algorithm,
     ClientContext,
     Hyperparameters,
+    LogUniform,
     PersonalModelClient,
+    SearchRange,
     Server,
     ServerContext,
     State,
@@ -49,6 +51,8 @@ ABSENT = -1e9  # logit bias of a class without a global prototype: never the nea
 
 
 class FedProtoHyperparameters(Hyperparameters):
+    # the weight of the prototype regularizer, the method's one trade-off
+    search_space: ClassVar[dict[str, SearchRange]] = {"lamda": LogUniform(0.1, 10.0)}
     lamda: float = Field(1.0, ge=0, description="weight of the prototype regularizer "
                          "(FedProto paper and code: 1)")
     predict: Literal["prototypes", "classifier"] = Field(

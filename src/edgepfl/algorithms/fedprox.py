@@ -7,15 +7,19 @@ an exact zero (FedProx with mu = 0 is FedAvg bit for bit, which a test checks).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
-from edgepfl.algorithms.base import Algorithm
+from edgepfl.algorithms.base import Algorithm, LogUniform, SearchRange
 from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
 from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.federation.messages import Message
 
 
 class FedProxHyperparameters(FedAvgHyperparameters):
+    # the FedProx paper picks mu per data set from {0.001, 0.01, 0.1, 1}
+    search_space: ClassVar[dict[str, SearchRange]] = {"mu": LogUniform(0.001, 1.0)}
     mu: float = Field(0.01, ge=0, description="proximal coefficient (FedProx paper tunes over 0.001-1)")
 
 

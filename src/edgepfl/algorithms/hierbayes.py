@@ -44,7 +44,7 @@ q_i itself (Eq. 31, no fit). docs/algorithms.md has the derivation of every upda
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -56,6 +56,8 @@ from edgepfl.algorithms.base import (
     Edge,
     EdgeContext,
     Hyperparameters,
+    LogUniform,
+    SearchRange,
     Server,
     ServerContext,
     State,
@@ -75,6 +77,12 @@ YBAR, MEAS = "ybar.", "meas."
 
 
 class HierBayesHyperparameters(Hyperparameters):
+    # the variance priors' scale and strength: how far clients and edges may stray from
+    # their parents' means
+    search_space: ClassVar[dict[str, SearchRange]] = {
+        "prior_scale": LogUniform(0.1, 10.0),
+        "prior_strength": LogUniform(0.1, 10.0),
+    }
     client_std: float = Field(
         1e-3, ge=0, description="eps: the fixed spread of each client's Gaussian posterior "
         "q_i = N(m_i, eps^2) (FedHB: small and fixed)")

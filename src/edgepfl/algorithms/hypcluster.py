@@ -37,6 +37,8 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Client,
     Hyperparameters,
+    IntRange,
+    SearchRange,
     Server,
     ServerContext,
     State,
@@ -55,6 +57,8 @@ CLUSTER = "cluster"  # the hypothesis a client joined (sent when it had a choice
 
 
 class HypClusterHyperparameters(Hyperparameters):
+    # k, the number of hypotheses (1 is FedAvg); more than the clients is refused
+    search_space: ClassVar[dict[str, SearchRange]] = {"clusters": IntRange(1, 3)}
     clusters: int = Field(
         2, ge=1, description="k, the number of hypotheses; our choice (FedJAX's default, 1, is "
         "FedAvg); k > 1 spends the first k rounds choosing them (k-means++ variant of FedJAX)")

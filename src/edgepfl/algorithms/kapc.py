@@ -45,7 +45,9 @@ from edgepfl.algorithms.base import (
     Algorithm,
     ClientContext,
     Hyperparameters,
+    LogUniform,
     PersonalModelClient,
+    SearchRange,
     Server,
     ServerContext,
     State,
@@ -75,6 +77,12 @@ _GRAM_CHUNK = 1 << 22
 # hyperparameters
 # ---------------------------------------------------------------------------------------
 class KAPCHyperparameters(Hyperparameters):
+    # the two weights the paper's ablation (Fig. 6) varies: the coaching term's and the pull
+    # of the relation vectors towards 1/N
+    search_space: ClassVar[dict[str, SearchRange]] = {
+        "lam": LogUniform(0.01, 1.0),
+        "beta": LogUniform(0.001, 0.1),
+    }
     lam: float = Field(0.1, ge=0, description=(
         "lambda: weight of the coaching term f_s in the client loss (Eq. 16) and in R's "
         "objective (Eq. 11); the paper's ablation (Fig. 6) is centred on lambda = 1, which "

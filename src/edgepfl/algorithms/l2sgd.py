@@ -25,7 +25,7 @@ docs/algorithms.md for the defaults and the handling of missing clients.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -34,9 +34,11 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Hyperparameters,
     PersonalModelClient,
+    SearchRange,
     Server,
     ServerContext,
     State,
+    Uniform,
     UpdateResult,
     model_from_state,
     model_to_state,
@@ -52,6 +54,9 @@ LOCAL_STEPS = "local_steps"
 
 
 class L2SGDHyperparameters(Hyperparameters):
+    # p, the paper's knob: the local steps between averaging steps ((1 - p) / p on average,
+    # 1 to 9 here) and, through lamda's default, how far an averaging step pulls
+    search_space: ClassVar[dict[str, SearchRange]] = {"p": Uniform(0.1, 0.5)}
     p: float = Field(0.2, gt=0, lt=1, description="probability that a step is an averaging "
                      "(communicating) step; a round averages (1-p)/p local steps (0.2: the "
                      "public L2SGD baseline of FedEM, Marfoq et al. 2021)")

@@ -17,7 +17,7 @@ bit (tested).
 from __future__ import annotations
 
 import copy
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,8 @@ from edgepfl.algorithms.base import (
     Client,
     ClientContext,
     Hyperparameters,
+    LogUniform,
+    SearchRange,
     ServerContext,
     State,
     UpdateResult,
@@ -45,6 +47,8 @@ PROJ = "proj."
 
 
 class MOONHyperparameters(Hyperparameters):
+    # the MOON paper tunes the contrastive weight mu over {0.1, 1, 5, 10}
+    search_space: ClassVar[dict[str, SearchRange]] = {"mu": LogUniform(0.1, 10.0)}
     mu: float = Field(5.0, ge=0, description="weight of the model-contrastive loss "
                       "(MOON paper: 5 for CIFAR-10, 1 for CIFAR-100 / Tiny-ImageNet)")
     temperature: float = Field(0.5, gt=0, description="temperature tau of the contrastive "

@@ -13,11 +13,21 @@ adaptation"), so each client keeps that batch in its state.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from edgepfl.algorithms.base import Algorithm, Client, Hyperparameters, State, UpdateResult
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Client,
+    Hyperparameters,
+    LogUniform,
+    SearchRange,
+    State,
+    UpdateResult,
+)
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.errors import ConfigError
@@ -25,6 +35,8 @@ from edgepfl.federation.messages import Message, MessageError
 
 
 class PerFedAvgHyperparameters(Hyperparameters):
+    # the inner (adaptation) step; the outer one is train.lr unless beta is set
+    search_space: ClassVar[dict[str, SearchRange]] = {"alpha": LogUniform(0.001, 0.1)}
     alpha: float = Field(0.01, gt=0, description="inner (adaptation) step size alpha; Per-FedAvg "
                                                  "Sec. 6 uses a small fixed alpha (our choice: 0.01)")
     beta: float | None = Field(None, gt=0, description="outer step size beta (Algorithm 1); "

@@ -30,7 +30,7 @@ pull) unless ``pull = "explicit"``. docs/algorithms.md has the details and the d
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,8 @@ from edgepfl.algorithms.base import (
     Client,
     ClientContext,
     Hyperparameters,
+    LogUniform,
+    SearchRange,
     Server,
     ServerContext,
     State,
@@ -57,6 +59,13 @@ MU, RHO = "mu.", "rho."
 
 
 class PFedBayesHyperparameters(Hyperparameters):
+    # the KL weight and the personal rate (the paper's zeta and eta)
+    search_space: ClassVar[dict[str, SearchRange]] = {
+        "zeta": LogUniform(0.01, 10.0),
+        "personal_lr": LogUniform(1e-4, 1e-2),
+    }
+    # train.lr: the Gaussians step at personal_lr and global_lr
+    not_searched: ClassVar[tuple[str, ...]] = ("train.lr",)
     zeta: float = Field(0.1, ge=0, description="weight of KL(q_i || global) against the whole "
                         "data set's NLL (the paper's zeta: 10 at its sigma_0 = softplus(-2.5); "
                         "0.1 keeps about its pull zeta / sigma_0^2 at our rho_init = -5)")

@@ -25,7 +25,9 @@ from torch import nn
 from edgepfl.algorithms.base import (
     Algorithm,
     Hyperparameters,
+    LogUniform,
     PersonalModelClient,
+    SearchRange,
     Server,
     ServerContext,
     State,
@@ -39,6 +41,9 @@ from edgepfl.federation.rng import derive_seed
 
 
 class PFedLAHyperparameters(Hyperparameters):
+    # the hypernetwork's rate decides whether the layer weights move off uniform at all
+    # (docs/algorithms.md)
+    search_space: ClassVar[dict[str, SearchRange]] = {"hn_lr": LogUniform(0.01, 10.0)}
     hn_lr: float = Field(1.0, gt=0, description="hypernetwork SGD learning rate (our choice: "
                          "the public implementation's 5e-3 leaves the weights uniform; "
                          "docs/algorithms.md)")

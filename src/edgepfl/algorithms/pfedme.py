@@ -23,6 +23,8 @@ runs). See docs/algorithms.md.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator
@@ -31,6 +33,8 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Client,
     Hyperparameters,
+    LogUniform,
+    SearchRange,
     ServerContext,
     State,
     UpdateResult,
@@ -46,6 +50,14 @@ from edgepfl.federation.messages import Message, MessageError
 
 
 class PFedMeHyperparameters(Hyperparameters):
+    # the paper's lambda (15-20) and inner rates (0.01-0.1), bounded so that
+    # personal_lr * lamda stays below 2 (1.8 at most); the outer step moves w_i by
+    # train.lr * lamda of its distance to theta, which past 2 diverges (1.5 at most here)
+    search_space: ClassVar[dict[str, SearchRange]] = {
+        "lamda": LogUniform(5.0, 30.0),
+        "personal_lr": LogUniform(0.003, 0.06),
+        "train.lr": LogUniform(0.001, 0.05),
+    }
     lamda: float = Field(20.0, gt=0, description="Moreau-envelope regularization lambda "
                          "(HMPL's setting and pFedMe's Synthetic runs: 20; pFedMe's MNIST: 15)")
     K: int = Field(5, ge=1, description="gradient steps per inner (personalized) problem "
