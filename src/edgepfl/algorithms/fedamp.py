@@ -23,7 +23,9 @@ from pydantic import Field
 from edgepfl.algorithms.base import (
     Algorithm,
     Hyperparameters,
+    LogUniform,
     PersonalModelClient,
+    SearchRange,
     Server,
     ServerContext,
     State,
@@ -38,6 +40,13 @@ from edgepfl.federation.messages import Message, MessageError, check_message
 
 
 class FedAMPHyperparameters(Hyperparameters):
+    # the pull towards the cloud model and the attention's scale; sigma from 5 up, where
+    # the weights on other clients were measured not to decay (docs/algorithms.md), and
+    # where any explicit alpha_k valid at the default sigma stays valid
+    search_space: ClassVar[dict[str, SearchRange]] = {
+        "lamda": LogUniform(0.01, 1.0),
+        "sigma": LogUniform(5.0, 50.0),
+    }
     alphaK: float | None = Field(None, gt=0, description="message-passing step alpha_k; needs "
                                  "alpha_k (N - 1) / sigma <= 1 so that self-weights stay >= 0; "
                                  "default 0.25, or sigma / (N - 1) where N clients allow less "
