@@ -1,4 +1,4 @@
-"""The ``edgepfl`` command line: run, compare, sweep, report, list."""
+"""The ``edgepfl`` command line: run, compare, sweep, tune, report, list."""
 
 from __future__ import annotations
 
@@ -172,12 +172,17 @@ def _print_table(kind: str, out: Path) -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="output directory (default runs/compare-<time>)")
 @click.option("--jobs", type=int, default=1, show_default=True, help=JOBS_HELP)
+@click.option("--tuned", "tuned", multiple=True, metavar="STUDY",
+              type=click.Path(path_type=Path),
+              help="a study of edgepfl tune (its folder, study.db or best.json): its algorithm "
+              "runs with the study's best setting, the others at their defaults, and the "
+              "table says which (repeatable, one study per algorithm)")
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
 @_user_errors(RESUMABLE)
 def compare(config: Path | None, algorithms: str, seeds: str | None, reference: str | None,
-            overrides: tuple[str, ...], out: Path | None, jobs: int, quiet: bool,
-            threads: int | None) -> None:
+            overrides: tuple[str, ...], out: Path | None, jobs: int, tuned: tuple[Path, ...],
+            quiet: bool, threads: int | None) -> None:
     """Compare algorithms on the same partition and client sequence, over seeds: mean,
     sample std and 95% t-interval per algorithm, and each one's paired difference to the
     reference."""
@@ -193,9 +198,15 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
         get_algorithm(name)
     cfg = config_from_sources(config, list(overrides))
     seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
+    settings = notes = None
+    if tuned:
+        from edgepfl.report.tune import tuned_settings
+
+        settings, notes = tuned_settings(tuned, names, cfg, echo=click.echo)
     out = out or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_compare(cfg, names, seed_list, out, progress=_progress_flag(quiet), echo=click.echo,
-                jobs=jobs, threads=threads, reference=reference)
+                jobs=jobs, threads=threads, reference=reference, settings=settings,
+                tuned=notes)
     _print_table("comparison", out)
 
 
@@ -236,6 +247,63 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
     run_sweep(cfg, axes, seed_list, out, progress=_progress_flag(quiet), echo=click.echo,
               jobs=jobs, threads=threads)
     _print_table("sweep", out)
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--algorithm", required=True, help="the algorithm to tune, e.g. fedprox")
+@click.option("--trials", type=int, required=True,
+              help="trials in the study in all: those already done count, so the same "
+              "command again runs only the missing ones")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="a setting fixed for every trial; a searched setting given here is left "
+              "out of the search (needs eval.validation, e.g. --set eval.validation=0.2)")
+@click.option("--space", "space", multiple=True, metavar="KEY=KIND:...",
+              help="search KEY over a range, replacing its default range: "
+              "loguniform:LOW:HIGH, uniform:LOW:HIGH, int:LOW:HIGH or choice:A,B,...; e.g. "
+              "--space algorithm.mu=loguniform:0.001:1 (repeatable)")
+@click.option("--study", type=click.Path(path_type=Path),
+              help="the study's folder (or its study.db), which holds the trials' run "
+              "directories; an existing study goes on (default runs/tune-<algorithm>-<time>)")
+@click.option("--jobs", type=int, default=1, show_default=True,
+              help="worker processes sharing the study, each running trials with --threads "
+              "torch threads (default: the cores shared out); the command in several shells "
+              "with the same --study works too")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="the sampler's seed (a run's own seed is the configuration's: --set seed=N)")
+@click.option("--prune/--no-prune", default=True, show_default=True,
+              help="stop a trial whose best validation accuracy so far is under the median of "
+              "the earlier trials' at the same round")
+@click.option("--quiet", is_flag=True, help="no progress display")
+@click.option("--threads", type=int, help=THREADS_HELP)
+@_user_errors("the study keeps every finished trial: the same command again goes on with it")
+def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str, ...],
+         space: tuple[str, ...], study: Path | None, jobs: int, seed: int, prune: bool,
+         quiet: bool, threads: int | None) -> None:
+    """Search an algorithm's hyperparameters on the validation split (Optuna, TPE): each
+    trial a run scored by its best mean validation accuracy over the rounds; tune.md and
+    tune.csv list the trials, best.json holds the best setting for compare --tuned.
+
+    \b
+    edgepfl tune --algorithm fedprox --trials 30 --set eval.validation=0.2 \\
+        --study runs/tune-fedprox
+    """
+    _threads(threads)
+    from edgepfl.algorithms import get_algorithm
+    from edgepfl.config import config_from_sources
+    from edgepfl.report.tune import study_location
+    from edgepfl.report.tune import tune as run_tune
+
+    get_algorithm(algorithm)
+    cfg = config_from_sources(config, list(overrides))
+    folder, _ = study_location(study, algorithm)
+    fixed = [o.partition("=")[0].strip() for o in overrides]
+    best = run_tune(cfg, algorithm, trials, folder if study is None else study, space=space,
+                    fixed=fixed, seed=seed, jobs=jobs, threads=threads,
+                    pruner="median" if prune else "none", progress=_progress_flag(quiet),
+                    echo=click.echo)
+    click.echo((folder / "tune.md").read_text())
+    click.echo(f"written: {folder}/tune.csv, tune.md" + (", best.json" if best else ""))
 
 
 @main.command()

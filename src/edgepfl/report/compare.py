@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from edgepfl.config import Config, build_config
+from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.engine.simulation import resolve
 from edgepfl.errors import EdgepflError
 from edgepfl.io import write_bytes_atomic, write_csv
@@ -81,10 +81,15 @@ def split_hyperparameters(base: Config, algorithms: list[str]) -> dict[str, dict
 def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
             progress: bool | None = None, echo: Callable[[str], None] = print, *,
             jobs: int = 1, threads: int | None = None,
-            reference: str | None = None) -> list[dict]:
+            reference: str | None = None, settings: dict[str, dict] | None = None,
+            tuned: dict[str, str] | None = None) -> list[dict]:
     """Every algorithm with every seed into ``out/<algorithm>-seed<k>`` (``jobs`` at a
     time, resumable: ``report.runs``), then comparison.csv, .md and .png. Everything the
-    user gave is checked before the first run starts. Returns the table's rows."""
+    user gave is checked before the first run starts. Returns the table's rows.
+
+    ``settings``: per algorithm, dotted settings applied over the base and its --set (a
+    study's best, ``report.tune``); ``tuned``: per algorithm, what it was tuned with, for
+    the table, which then says of every algorithm whether it was tuned."""
     if not algorithms:
         raise EdgepflError("--algorithms is empty; give a comma-separated list, e.g. local,fedavg")
     reference = pick_reference(algorithms, reference)
@@ -95,6 +100,8 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
     for name, hp in split_hyperparameters(base, algorithms).items():
         data = base.model_dump()
         data["algorithm"] = {"name": name, **hp}
+        for key, value in (settings or {}).get(name, {}).items():
+            set_dotted(data, key, value, f"{name}'s tuned {key}")
         configs[name] = resolve(build_config(data))
     models = {name: cfg.model.name for name, cfg in configs.items()}
     if len(set(models.values())) > 1:
@@ -127,9 +134,14 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
         rows.append({**{k: s.get(k) for k in RUN_COLUMNS}, "algorithm": name, "seed": seed,
                      "model": run.config.model.name, "run_dir": run.name})
     rows = with_statistics(rows, algorithms, reference)
-    write_csv(out / "comparison.csv", COMPARISON_COLUMNS, rows)
+    columns = COMPARISON_COLUMNS
+    if tuned is not None:
+        # only then: a table without tuning keeps the columns it always had
+        columns = [*columns, "tuned"]
+        rows = [{**r, "tuned": tuned.get(r["algorithm"], "")} for r in rows]
+    write_csv(out / "comparison.csv", columns, rows)
     write_bytes_atomic(out / "comparison.md",
-                       comparison_markdown(rows, algorithms, base, reference).encode())
+                       comparison_markdown(rows, algorithms, base, reference, tuned).encode())
     plot_curves({name: seed_curves([results[run.name].curve for run in plan
                                     if of[run.name][0] == name]) for name in algorithms},
                 out / "comparison.png",
@@ -170,7 +182,7 @@ def with_statistics(rows: list[dict], algorithms: list[str], reference: str) -> 
 
 
 def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config,
-                        reference: str | None = None) -> str:
+                        reference: str | None = None, tuned: dict[str, str] | None = None) -> str:
     reference = reference or default_reference(algorithms)
     seeds = sorted({r["seed"] for r in rows})
     several = len(seeds) > 1
@@ -209,13 +221,21 @@ def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config,
             return stats.mean_sd_text(est(key, scale))
 
         selected = f"{cell('acc_mean_selected_best')} | " if partial else ""
-        lines.append(f"| {name} | {sel[0]['model']} | {cell('acc_mean_best')} | "
+        label = f"{name} (tuned)" if tuned and name in tuned else name
+        lines.append(f"| {label} | {sel[0]['model']} | {cell('acc_mean_best')} | "
                      f"{stats.interval_text(est('acc_mean_best'))} | {cell('acc_mean_final')} | "
                      f"{stats.interval_text(est('acc_mean_final'))} | "
                      f"{cell('acc_std_final')} | {cell('acc_min_final')} | "
                      f"{cell('acc_client_best_mean')} | {selected}"
                      f"{cell('bytes_up_total', 1e-6)} | {cell('bytes_down_total', 1e-6)} |")
     lines += ["", "Accuracies in %."]
+    if tuned is not None:
+        lines += ["", "## Tuning", "",
+                  "Whether each algorithm ran at the best setting of a study on the validation "
+                  "split (edgepfl tune), applied over the settings above, or at its defaults.",
+                  "", "| algorithm | settings |", "|---|---|"]
+        lines += [f"| {name} | {tuned.get(name) or 'defaults (no study given)'} |"
+                  for name in algorithms]
     others = [name for name in algorithms if name != reference]
     if others:
         lines += [
