@@ -690,9 +690,11 @@ def tune_markdown(rows: list[dict], record: dict, space: dict[str, str], best: d
         "stopped when its best validation accuracy so far fell under the median of the "
         "earlier trials' at the same round (its figure is that best so far).",
         "",
-        f"Trials: {sum(counts.values())} of {trials} ("
-        + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + "). Search space: "
-        + ", ".join(f"`{k}` {v}" for k, v in space.items()) + ".",
+        f"Trials: {sum(n for s, n in counts.items() if s != 'interrupted')} of {trials} ("
+        + ", ".join(f"{n} {s}" for s, n in counts.items() if n and s != "interrupted") + ")"
+        + (f"; {counts['interrupted']} interrupted, not counted"
+           if counts.get("interrupted") else "")
+        + ". Search space: " + ", ".join(f"`{k}` {v}" for k, v in space.items()) + ".",
         "",
         "| trial | state | best val acc | at round | rounds run | "
         + " | ".join(space) + " | run directory |",
