@@ -197,7 +197,8 @@ def test_unknown_name_lists_valid_names():
         load_dataset("imagenet")
     assert "'imagenet'" in str(err.value)
     assert all(name in str(err.value) for name in DATASETS)
-    assert set(DATASETS) == {"mnist", "fmnist", "cifar10", "cifar100", "digits", "synthetic"}
+    assert set(DATASETS) == {"mnist", "fmnist", "cifar10", "cifar100", "digits", "synthetic",
+                             "npz", "imagefolder", "hf"}
 
 
 def test_resolve_data_root(monkeypatch, tmp_path):

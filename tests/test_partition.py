@@ -52,9 +52,11 @@ SCHEME_ARGS = {
     "pathological": {"classes_per_client": 2},
     "primary_secondary": {},
 }
+# the schemes drawn from labels; natural takes the clients the data names (tested below)
+LABEL_SCHEMES = [s for s in SCHEMES if s != "natural"]
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", LABEL_SCHEMES)
 def test_every_scheme_gives_disjoint_sorted_in_range_indices(scheme, small):
     y_train, y_test = small
     part = make_partition(y_train, y_test, 10, scheme, 10, seed=0, **SCHEME_ARGS[scheme])
@@ -71,7 +73,7 @@ def test_every_scheme_gives_disjoint_sorted_in_range_indices(scheme, small):
     assert all(idx.numel() > 0 for idx in part.train + part.test)
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", LABEL_SCHEMES)
 def test_same_seed_same_partition_other_seed_different(scheme, small):
     y_train, y_test = small
     args = SCHEME_ARGS[scheme]
@@ -83,7 +85,7 @@ def test_same_seed_same_partition_other_seed_different(scheme, small):
     assert not all(torch.equal(x, y) for x, y in zip(a.test, c.test, strict=True))
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", LABEL_SCHEMES)
 def test_train_split_does_not_depend_on_test_labels(scheme, small):
     y_train, y_test = small
     a = make_partition(y_train, y_test, 10, scheme, 10, seed=3, **SCHEME_ARGS[scheme])
@@ -182,7 +184,7 @@ def test_primary_secondary_with_too_few_clients_says_what_helps(mnist_like):
     assert "fraction does not help" in message
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", LABEL_SCHEMES)
 def test_test_split_follows_train_distribution(scheme, mnist_like):
     y_train, y_test = mnist_like
     part = make_partition(y_train, y_test, 10, scheme, 10, seed=1, **SCHEME_ARGS[scheme])
@@ -268,7 +270,7 @@ def test_labels_out_of_range_are_a_data_error(small):
         make_partition(y_train, y_test, 9, "iid", 10, 0)
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", LABEL_SCHEMES)
 def test_fast_for_60000_labels_and_100_clients(scheme, mnist_like):
     y_train, y_test = mnist_like
     start = time.perf_counter()
@@ -276,3 +278,42 @@ def test_fast_for_60000_labels_and_100_clients(scheme, mnist_like):
     elapsed = time.perf_counter() - start
     assert part.num_clients == 100
     assert elapsed < 1.0, f"{scheme} took {elapsed:.2f} s"
+
+
+def test_natural_gives_each_client_the_samples_the_data_names(small):
+    y_train, y_test = small
+    rng = np.random.default_rng(0)
+    owners = torch.from_numpy(rng.integers(0, 7, len(y_train)))
+    test_owners = torch.from_numpy(rng.integers(0, 7, len(y_test)))
+    part = make_partition(y_train, y_test, 10, "natural", 7, seed=0, train_clients=owners,
+                          test_clients=test_owners)
+    check_structure(part, len(y_train), len(y_test), 7)
+    for i in range(7):
+        assert torch.equal(part.train[i], torch.nonzero(owners == i).flatten())
+        assert torch.equal(part.test[i], torch.nonzero(test_owners == i).flatten())
+    # the seed draws nothing when the data names every sample's client
+    again = make_partition(y_train, y_test, 10, "natural", 7, seed=5, train_clients=owners,
+                           test_clients=test_owners)
+    assert all(torch.equal(a, b) for a, b in zip(part.train + part.test,
+                                                 again.train + again.test, strict=True))
+
+
+def test_natural_without_test_ids_gives_test_samples_by_label_share(small):
+    y_train, y_test = small
+    owners = y_train % 2  # client 0 holds the even classes, client 1 the odd
+    part = make_partition(y_train, y_test, 10, "natural", 2, seed=0, train_clients=owners)
+    assert bool((y_test[part.test[0]] % 2 == 0).all()) and bool((y_test[part.test[1]] % 2).all())
+    assert sum(len(t) for t in part.test) == len(y_test)
+
+
+def test_natural_refuses_missing_or_out_of_range_client_ids(small):
+    y_train, y_test = small
+    with pytest.raises(ConfigError, match="names none"):
+        make_partition(y_train, y_test, 10, "natural", 3, seed=0)
+    with pytest.raises(DataError, match=r"train sample of client 3, but partition.clients = 3 "
+                                        r"\(valid ids 0..2\)"):
+        make_partition(y_train, y_test, 10, "natural", 3, seed=0,
+                       train_clients=torch.arange(len(y_train)) % 4)
+    with pytest.raises(DataError, match="client 2 .* has no train samples"):
+        make_partition(y_train, y_test, 10, "natural", 3, seed=0,
+                       train_clients=torch.arange(len(y_train)) % 2)

@@ -32,10 +32,28 @@ class _Section(BaseModel):
 
 
 class DatasetConfig(_Section):
-    name: str = Field("digits", description="mnist, fmnist, cifar10, cifar100, digits, synthetic")
+    name: str = Field("digits", description="mnist, fmnist, cifar10, cifar100, digits, "
+                      "synthetic; your own data: npz, imagefolder, hf (read from dataset.path)")
     root: str | None = Field(None, description="data directory; default $EDGEPFL_DATA, else ./data")
     fraction: float = Field(1.0, gt=0, le=1, description="random share of train and test data to use")
     download: bool = Field(True, description="try to download missing files (md5-checked)")
+    path: str | None = Field(
+        None, description="npz, imagefolder, hf: the .npz file or the folder to read (relative "
+        "to the working directory)")
+    test_fraction: float = Field(
+        0.2, gt=0, lt=1, description="npz, imagefolder, hf without a test split of their own: "
+        "the share of the samples held out for testing (of each client's with client ids, "
+        "else of each class's), drawn from a fixed seed, so every run seed tests on the same")
+    resize: int | None = Field(
+        None, ge=1, description="imagefolder, hf: every image resized to resize x resize; None "
+        "keeps each at its own size (images of several sizes need a model for any input size)")
+    image_column: str = Field("image", min_length=1, description="hf: the column of the inputs "
+                              "(images, or arrays)")
+    label_column: str = Field("label", min_length=1, description="hf: the column of the labels "
+                              "(class indices, or class names)")
+    client_column: str | None = Field(
+        None, description="hf: the column of each sample's client, for partition.scheme = "
+        "natural")
     aspect_ratios: list[str] = Field(
         default_factory=list, description="images of arbitrary size (HMPL Sec. IV-B): every "
         "image seen through the largest crop of one of these 'W:H' ratios at a seeded random "
@@ -74,8 +92,10 @@ def parse_aspect_ratio(text: Any) -> tuple[int, int]:
 
 
 class PartitionConfig(_Section):
-    scheme: str = Field("dirichlet", description="iid, dirichlet, pathological, primary_secondary")
-    clients: int = Field(10, ge=1, description="number of clients")
+    scheme: str = Field("dirichlet", description="iid, dirichlet, pathological, "
+                        "primary_secondary, natural (each sample's client from the data)")
+    clients: int = Field(10, ge=1, description="number of clients (natural: the number of "
+                         "clients in the data)")
     alpha: float = Field(0.3, gt=0, description="Dirichlet concentration (smaller = more skewed)")
     min_size: int = Field(10, ge=1, description="Dirichlet: minimum train samples per client")
     classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")

@@ -8,6 +8,8 @@ memory, shared by forked worker processes) and are normalised per batch as it is
 bit for bit the same. Files are read with plain numpy from their original
 distribution formats, so no torchvision is needed, and nothing is executed from a data
 file (the one pickle format is read with an allowlist, see ``_NumpyOnlyUnpickler``).
+Data sets of one's own (``npz``, ``imagefolder``, ``hf``: ``data.own``) end in the same
+form, feature vectors included (``[n, d]`` stored as ``[n, d, 1, 1]``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import torch
 
+from edgepfl.config import DatasetConfig
 from edgepfl.errors import ConfigError, DataError
 
 DATA_ENV = "EDGEPFL_DATA"
@@ -46,7 +49,16 @@ DATASETS: dict[str, str] = {
     "(no download)",
     "synthetic": "seeded Gaussian class patterns, 1x8x8, 10 classes, 2,000 train / 500 test "
     "(no files; for tests and quick runs)",
+    "npz": "your own arrays at dataset.path: x (images [n, H, W] or [n, C, H, W], or feature "
+    "vectors [n, d]), y; optionally x_test, y_test, client, client_test, classes",
+    "imagefolder": "your own PNG/JPEG files at dataset.path: <class>/*.png, optionally under "
+    "train/ and test/, or <client>/<class>/*.png for natural client splits",
+    "hf": "a Hugging Face datasets folder (save_to_disk) at dataset.path, with "
+    "dataset.image_column, label_column, client_column (pip install 'edgepfl[hf]')",
 }
+
+# Read from dataset.path, with the split and shape settings of the dataset section.
+OWN_DATASETS = ("npz", "imagefolder", "hf")
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,11 +100,43 @@ class Dataset:
     num_classes: int
     classes: tuple[str, ...]
     norm: Normalise | None = None
+    # Natural client splits: each sample's client (an index into ``clients``), from the data.
+    client_train: torch.Tensor | None = None  # int64 [n]
+    client_test: torch.Tensor | None = None  # None: the test split names no clients
+    clients: tuple[str, ...] = ()
+    # Images of several sizes, each at the top left of a [C, H, W] canvas of the largest
+    # height and width: its own (height, width), int16 [n, 2]; None when all fill it.
+    size_train: torch.Tensor | None = None
+    size_test: torch.Tensor | None = None
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of the stored inputs: a feature vector of d values is (d, 1, 1); images
+        of several sizes give their canvas (``sizes`` lists their own)."""
         c, h, w = self.x_train.shape[1:]
         return int(c), int(h), int(w)
+
+    @property
+    def variable_size(self) -> bool:
+        return self.size_train is not None
+
+    @property
+    def sizes(self) -> list[tuple[int, int]]:
+        """The distinct (height, width) of the images, sorted."""
+        if self.size_train is None or self.size_test is None:
+            return [self.input_shape[1:]]
+        both = torch.cat([self.size_train, self.size_test]).to(torch.int64)
+        return sorted(map(tuple, torch.unique(both, dim=0).tolist()))
+
+    def boxes(self, split: str, idx: torch.Tensor) -> torch.Tensor | None:
+        """``[k, 4]`` int16 boxes (top, left, height, width) of images ``idx`` of ``split``:
+        each whole image inside the canvas, the form ``ClientData`` cuts crops in; None when
+        every image fills the canvas."""
+        sizes = self.size_train if split == "train" else self.size_test
+        if sizes is None:
+            return None
+        hw = sizes.index_select(0, idx)
+        return torch.cat([torch.zeros_like(hw), hw], 1)
 
     def images(self, split: str, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Model inputs (float32, normalised) of ``split`` ('train' or 'test'), all or
@@ -124,10 +168,22 @@ def load_dataset(
     fraction: float = 1.0,
     seed: int = 0,
     download: bool = True,
+    *,
+    path: str | os.PathLike | None = None,
+    test_fraction: float = 0.2,
+    resize: int | None = None,
+    image_column: str = "image",
+    label_column: str = "label",
+    client_column: str | None = None,
 ) -> Dataset:
-    """Load a data set by name; ``fraction`` keeps a seeded random share of train and test."""
+    """Load a data set by name; ``fraction`` keeps a seeded random share of train and test.
+
+    The keyword arguments are the settings of data sets of one's own (``npz``,
+    ``imagefolder``, ``hf``), read from ``path``; the built-in sets refuse ``path`` and
+    ``resize`` rather than ignore them.
+    """
     key = str(name).strip().lower()
-    if key not in _LOADERS:
+    if key not in DATASETS:
         raise ConfigError(f"unknown data set {name!r}; choose one of: {', '.join(DATASETS)}")
     try:
         share = float(fraction)
@@ -135,10 +191,43 @@ def load_dataset(
         share = math.nan
     if isinstance(fraction, bool) or not (0.0 < share <= 1.0):  # the comparison rejects NaN
         raise ConfigError(f"dataset fraction must be a number in (0, 1], got {fraction!r}")
+    if key in OWN_DATASETS:
+        from edgepfl.data import own
+
+        raw = own.load(key, own.Source(path, test_fraction, resize, image_column, label_column,
+                                       client_column))
+        return _finish(raw, share, int(seed))
+    for setting, value in (("path", path), ("resize", resize)):
+        if value is not None:
+            raise ConfigError(
+                f"dataset.{setting} = {value!r} is read by the data sets of your own "
+                f"({', '.join(OWN_DATASETS)}), not by {key!r}, which is read from "
+                f"dataset.root; unset it, or set dataset.name to one of them")
     loader = _LOADERS[key]
     allow_download = bool(download) and not _env_flag(NO_DOWNLOAD_ENV)
     raw = loader(resolve_data_root(root), allow_download, int(seed))
     return _finish(raw, share, int(seed))
+
+
+def dataset_of(cfg: DatasetConfig, seed: int) -> Dataset:
+    """The data set a run's ``dataset`` settings name (every runtime loads it this way)."""
+    data = load_dataset(cfg.name, cfg.root, cfg.fraction, seed, cfg.download, path=cfg.path,
+                        test_fraction=cfg.test_fraction, resize=cfg.resize,
+                        image_column=cfg.image_column, label_column=cfg.label_column,
+                        client_column=cfg.client_column)
+    if cfg.aspect_ratios and data.variable_size:
+        # a crop's size follows from its ratio and its image's size: one ratio would be
+        # as many input sizes as there are image sizes
+        raise ConfigError(
+            f"dataset.aspect_ratios = {cfg.aspect_ratios} crops images of one size, but the "
+            f"images at dataset.path = {cfg.path!r} come in {len(data.sizes)} sizes; set "
+            f"dataset.resize (e.g. 32) to crop them, or unset aspect_ratios to see each whole")
+    if cfg.aspect_ratios and data.input_shape[1:] == (1, 1):
+        raise ConfigError(
+            f"dataset.aspect_ratios = {cfg.aspect_ratios} crops images, but data set "
+            f"{cfg.name!r} holds feature vectors (stored as {data.input_shape[0]} channels of "
+            f"1x1); unset dataset.aspect_ratios")
+    return data
 
 
 # --------------------------------------------------------------------------- shared steps
@@ -157,6 +246,11 @@ class _Raw:
     mean: tuple[float, ...]  # per channel, in the units of x after dividing by `scale`
     std: tuple[float, ...]
     scale: float  # 255 for 8-bit images
+    client_train: np.ndarray | None = None  # int64 [n], indices into `clients`
+    client_test: np.ndarray | None = None
+    clients: tuple[str, ...] = ()
+    size_train: np.ndarray | None = None  # int16 [n, 2]: each image's own (height, width)
+    size_test: np.ndarray | None = None
 
 
 def _finish(raw: _Raw, fraction: float, seed: int) -> Dataset:
@@ -174,7 +268,18 @@ def _finish(raw: _Raw, fraction: float, seed: int) -> Dataset:
         num_classes=len(raw.classes),
         classes=raw.classes,
         norm=norm,
+        client_train=_maybe(raw.client_train, train_idx, torch.int64),
+        client_test=_maybe(raw.client_test, test_idx, torch.int64),
+        clients=raw.clients,
+        size_train=_maybe(raw.size_train, train_idx, torch.int16),
+        size_test=_maybe(raw.size_test, test_idx, torch.int16),
     )
+
+
+def _maybe(a: np.ndarray | None, idx: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if a is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(a if idx is None else a[idx])).to(dtype)
 
 
 def _subset(n: int, fraction: float, gen: torch.Generator) -> np.ndarray | None:
@@ -700,4 +805,4 @@ _LOADERS: dict[str, Callable[[Path, bool, int], _Raw]] = {
     "digits": _load_digits,
     "synthetic": _load_synthetic,
 }
-assert set(_LOADERS) == set(DATASETS)
+assert set(_LOADERS) | set(OWN_DATASETS) == set(DATASETS)

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from edgepfl.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from edgepfl.config import PartitionConfig
+    from edgepfl.data.datasets import Dataset
 
 SCHEMES: dict[str, str] = {
     "iid": "uniform: a seeded shuffle split into near-equal parts",
@@ -27,6 +31,9 @@ SCHEMES: dict[str, str] = {
     "evenly among the clients that hold it",
     "primary_secondary": "DC-PFL: equal sizes; a primary class with 40-60% of a client's data, "
     "a secondary with 20-40%, the rest spread over the other classes",
+    "natural": "each sample's client from the data (npz 'client' array, hf dataset.client_column, "
+    "image folders <client>/<class>/), as FEMNIST-style data sets come; partition.clients = the "
+    "number of clients in the data",
 }
 
 DIRICHLET_MAX_DRAWS = 1000
@@ -86,11 +93,16 @@ def make_partition(
     alpha: float = 0.3,
     min_size: int = 10,
     classes_per_client: int = 2,
+    train_clients: torch.Tensor | None = None,
+    test_clients: torch.Tensor | None = None,
 ) -> Partition:
     """Split train and test labels over ``clients`` clients with the named scheme.
 
     Only the parameters the scheme uses are checked (``alpha`` and ``min_size`` for
-    dirichlet, ``classes_per_client`` for pathological).
+    dirichlet, ``classes_per_client`` for pathological, ``train_clients`` for natural:
+    each training sample's client in ``0..clients-1``). A natural split's test samples go
+    to the clients ``test_clients`` names; without them, as in every other scheme, each
+    client gets the share of each class's test samples it has of its training samples.
     """
     num_classes = _check_scheme(scheme, num_classes)
     ytr = _labels(y_train, "y_train", num_classes)
@@ -102,8 +114,11 @@ def make_partition(
     train_ss, test_ss = np.random.SeedSequence([int(seed) % 2**64, _SEED_TAG]).spawn(2)
     rng = np.random.default_rng(train_ss)
     totals = np.bincount(ytr, minlength=num_classes)
-    if scheme == "iid":
-        owner = _iid(n, clients, rng)
+    if scheme in ("iid", "natural"):
+        if scheme == "iid":
+            owner = _iid(n, clients, rng)
+        else:
+            owner = _owners(train_clients, n, clients, "train")
         counts = np.bincount(owner * num_classes + ytr, minlength=clients * num_classes).reshape(
             clients, num_classes
         )
@@ -117,14 +132,22 @@ def make_partition(
         owner = _assign(ytr, counts, rng)
 
     empty = np.flatnonzero(counts.sum(1) == 0)
+    if empty.size and scheme == "natural":
+        raise DataError(
+            f"natural partition: client {int(empty[0])} (and {empty.size - 1} more) has no "
+            f"train samples in the data; every client needs some (a larger dataset.fraction)")
     if empty.size:
         raise DataError(
             f"{scheme} partition left client {int(empty[0])} (and {empty.size - 1} more) with no "
             f"train samples ({n} samples over {clients} clients); use fewer clients"
         )
-    test_rng = np.random.default_rng(test_ss)
-    test_counts = _test_counts(counts, totals, np.bincount(yte, minlength=num_classes), test_rng)
-    test_owner = _assign(yte, test_counts, test_rng)
+    if scheme == "natural" and test_clients is not None:
+        test_owner = _owners(test_clients, yte.size, clients, "test")
+    else:
+        test_rng = np.random.default_rng(test_ss)
+        test_counts = _test_counts(counts, totals, np.bincount(yte, minlength=num_classes),
+                                   test_rng)
+        test_owner = _assign(yte, test_counts, test_rng)
     return Partition(
         train=_split(owner, clients),
         test=_split(test_owner, clients),
@@ -147,6 +170,53 @@ def _check_scheme(scheme: str, num_classes: Any) -> int:
     if num_classes < 1:
         raise ConfigError(f"num_classes must be an integer >= 1, got {num_classes}")
     return num_classes
+
+
+def _owners(ids: Any, n: int, clients: int, split: str) -> np.ndarray:
+    """A natural split's client of every sample of ``split``, checked."""
+    if ids is None:
+        raise ConfigError(
+            "partition.scheme = 'natural' takes each sample's client from the data, but this "
+            "data set names none; give them (an npz 'client' array, dataset.client_column of an "
+            f"hf set, image folders <client>/<class>/), or choose another scheme: "
+            f"{', '.join(s for s in SCHEMES if s != 'natural')}")
+    arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    if arr.shape != (n,) or (arr.size and arr.dtype.kind not in "iu"):
+        raise DataError(f"natural partition: {split} client ids must be {n} integers, got shape "
+                        f"{arr.shape} of {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    bad = arr[(arr < 0) | (arr >= clients)]
+    if bad.size:
+        raise DataError(f"natural partition: {split} sample of client {int(bad[0])}, but "
+                        f"partition.clients = {clients} (valid ids 0..{clients - 1})")
+    return arr
+
+
+def partition_of(cfg: PartitionConfig, dataset: Dataset, seed: int) -> Partition:
+    """The partition a run's ``partition`` settings give ``dataset`` (every runtime splits
+    it this way). A natural split needs ``partition.clients`` to be the number of clients
+    the data names: the settings stay the whole description of the federation (the system
+    model, topology and algorithms read that number before any data is loaded)."""
+    natural = cfg.scheme == "natural"
+    if natural and dataset.client_train is not None and cfg.clients != len(dataset.clients):
+        names = ", ".join(dataset.clients[:5]) + (", ..." if len(dataset.clients) > 5 else "")
+        raise ConfigError(
+            f"partition.scheme = 'natural': data set {dataset.name!r} has "
+            f"{len(dataset.clients)} clients ({names}), but partition.clients = {cfg.clients}; "
+            f"set partition.clients = {len(dataset.clients)}")
+    if natural and dataset.client_train is not None:
+        sizes = np.bincount(dataset.client_train.numpy(), minlength=len(dataset.clients))
+        if (sizes == 0).any():
+            empty = dataset.clients[int(np.flatnonzero(sizes == 0)[0])]
+            raise DataError(
+                f"partition.scheme = 'natural': client {empty!r} of data set {dataset.name!r} "
+                f"has no training samples (all of its samples are test samples, or "
+                f"dataset.fraction left none); give it training samples or remove it")
+    return make_partition(
+        dataset.y_train, dataset.y_test, dataset.num_classes, cfg.scheme, cfg.clients, seed,
+        alpha=cfg.alpha, min_size=cfg.min_size, classes_per_client=cfg.classes_per_client,
+        train_clients=dataset.client_train if natural else None,
+        test_clients=dataset.client_test if natural else None)
 
 
 def _check_clients(clients: Any, n: int) -> int:
