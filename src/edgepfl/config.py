@@ -287,6 +287,37 @@ class OutputConfig(_Section):
         return list(dict.fromkeys(value))  # each tracker once, in the order given
 
 
+class PrivacyConfig(_Section):
+    level: Literal["none", "client", "sample"] = Field(
+        "none", description="differential privacy (docs/user-guide.md, 'Differential "
+        "privacy'): none; client = each client's whole contribution to a round (its model "
+        "update) clipped to privacy.clip in L2 and Gaussian noise added to their sum at the "
+        "aggregator (DP-FedAvg); sample = DP-SGD in every client's local training, each "
+        "client's samples protected (per-sample clipping, noise on each step)")
+    noise_multiplier: float = Field(
+        1.0, ge=0, description="the Gaussian noise's standard deviation in multiples of "
+        "privacy.clip, on the sum of clipped updates (client) or of clipped per-sample "
+        "gradients (sample); 0 gives no guarantee (epsilon infinite)")
+    clip: float = Field(1.0, gt=0, description="the L2 bound of each client's model update "
+                        "(client) or each sample's gradient (sample)")
+    delta: float | None = Field(
+        None, gt=0, lt=1, description="the delta of (epsilon, delta)-DP; None: 1 / the number "
+        "of clients (client), 1 / each client's number of training samples (sample)")
+    target_epsilon: float | None = Field(
+        None, gt=0, description="the privacy budget: the run stops after the last round that "
+        "keeps epsilon within it, saying so (and is refused when round 1 alone passes it); "
+        "None: no budget, epsilon is only reported")
+    accountant: Literal["rdp", "pld"] = Field(
+        "rdp", description="dp-accounting's accountant: rdp (Renyi DP; the only one with "
+        "fixed-size sampling without replacement, which client level needs) or pld "
+        "(privacy loss distributions, tighter; sample level only)")
+    noise_at: Literal["edge", "cloud"] = Field(
+        "edge", description="in a hierarchy (topology.edges > 0), where client-level noise is "
+        "added: edge = at each edge, which sees its clients' clipped updates (each client "
+        "trusts its edge); cloud is refused (an edge would hand its clients an un-noised "
+        "average for topology.edge_rounds rounds)")
+
+
 class AlgorithmConfig(BaseModel):
     """``name`` plus the algorithm's own hyperparameters, validated by the algorithm."""
 
@@ -309,6 +340,7 @@ class Config(_Section):
     faults: FaultsConfig = FaultsConfig()
     output: OutputConfig = OutputConfig()
     system: SystemConfig = SystemConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
 
 
 def _format_validation_error(exc: ValidationError, data: dict) -> str:

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -441,6 +441,33 @@ class PersonalModelClient(Client):
 
 
 @dataclass(frozen=True)
+class PrivacySupport:
+    """Which differential privacy (``privacy.level``, ``edgepfl.privacy``) an algorithm
+    takes, declared by it and enforced by the engine, which refuses the rest naming
+    ``refused``.
+
+    ``client = "mean"``: every aggregation of client replies (the server's, or each edge's
+    in a hierarchy) is a mean of the replies' models weighted by their ``num_samples``,
+    every reply holding the client's trained version of floating-point entries of what it
+    was sent. The engine then hands the aggregate clipped updates with equal weights and
+    Gaussian noise on their sum (DP-FedAvg); the algorithm's own code never sees a raw
+    reply. An aggregation that needs each client's own model (a relation matrix, a
+    clustering, per-client weights) cannot take a noised sum instead and is refused.
+
+    ``sample = True``: every computation on a client's training data is a gradient step of
+    the client part's own trainer (``Trainer.fit``, ``run``), with no loss hook, and
+    nothing else computed from the data leaves the client but ``num_samples``; the
+    engine's trainer then runs DP-SGD. ``epochs``: passes over its data one update makes,
+    from (``train`` settings, hyperparameters); None: ``train.local_epochs``.
+    """
+
+    client: Literal["mean"] | None = None
+    sample: bool = False
+    refused: str = ""
+    epochs: Callable[[TrainConfig, Any], int] | None = None
+
+
+@dataclass(frozen=True)
 class Algorithm:
     name: str
     summary: str
@@ -467,6 +494,8 @@ class Algorithm:
     # (FedMD's public data set: the other of MNIST and Fashion-MNIST), so that the resolved
     # config states them: (config, parsed hyperparameters) -> complete hyperparameters
     complete: Callable[[Any, Hyperparameters], Hyperparameters] | None = None
+    # the differential privacy it takes (privacy.level), and why it refuses the rest
+    privacy: PrivacySupport = PrivacySupport(refused="its privacy has not been reviewed")
 
     def parse_hyperparameters(self, values: dict[str, Any]) -> Hyperparameters:
         from pydantic import ValidationError
