@@ -12,6 +12,7 @@ from edgepfl.errors import ConfigError
 from edgepfl.models.bn import CNN2BN, CNNSmallBN
 from edgepfl.models.hmpl import CNN2SPP, HMPLCom, HMPLOrd, HMPLSup
 from edgepfl.models.hmpl_tiers import HMPLTiers
+from edgepfl.models.resnet import ResNet18, ResNet18BN
 
 
 class CNN2(nn.Module):
@@ -95,11 +96,15 @@ class CNNSmallNarrow(CNNSmall):
 
 
 class MLP(nn.Module):
-    """Two hidden layers of 200 units (the FedAvg paper's 2NN) for any input size."""
+    """Two hidden layers of 200 units (the FedAvg paper's 2NN) for inputs of one size:
+    images of any height and width, and feature vectors of d values, which data sets store
+    as d channels of 1x1 (``data.own``), so that C x H x W is d."""
 
-    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
+    def __init__(self, in_channels: int = 1, num_classes: int = 10,
+                 image_size: int | tuple[int, int] = 28):
         super().__init__()
-        self.fc1 = nn.Linear(in_channels * image_size * image_size, 200)
+        height, width = image_size if isinstance(image_size, tuple) else (image_size, image_size)
+        self.fc1 = nn.Linear(in_channels * height * width, 200)
         self.fc2 = nn.Linear(200, 200)
         self.fc3 = nn.Linear(200, num_classes)
 
@@ -117,9 +122,13 @@ MODELS: dict[str, tuple[ModelFactory, str]] = {
     "cnn_cifar": (CNNCifar, "FedAvg's CIFAR CNN: 2 conv 5x5 (64, 64), FC 384, 192, classifier"),
     "cnn_small": (CNNSmall, "small CNN for 8x8 images (digits, synthetic): 2 conv 3x3, FC 64"),
     "cnn_small_narrow": (CNNSmallNarrow, "cnn_small with FC 32 instead of 64 (shares its convolutions)"),
-    "mlp": (MLP, "2 hidden layers of 200 units, any image size"),
+    "mlp": (MLP, "2 hidden layers of 200 units, any image size (one per data set) and "
+            "feature vectors"),
+    "resnet18": (ResNet18, "ResNet-18, CIFAR stem (3x3 conv, no max-pool), GroupNorm; 32x32 "
+                 "images and up, any size"),
     "cnn_small_bn": (CNNSmallBN, "cnn_small with BatchNorm after each conv (FedBN)"),
     "cnn2_bn": (CNN2BN, "cnn2 with BatchNorm after each conv (FedBN)"),
+    "resnet18_bn": (ResNet18BN, "resnet18 with BatchNorm instead of GroupNorm (FedBN)"),
     "cnn2_spp": (CNN2SPP, "cnn2's convs + SPP (1x1, 2x2, 4x4) before FC 512, 128: any image size"),
     "hmpl_ord": (HMPLOrd, "HMPL's Ord model: 3 conv 3x3 (64, 128, 256) + pool, SPP, FC 1024, 1024"),
     "hmpl_com": (HMPLCom, "HMPL's Com model (weak devices): hmpl_ord without conv3, 1x1 IP conv"),
@@ -129,10 +138,12 @@ MODELS: dict[str, tuple[ModelFactory, str]] = {
                    "hmpl algorithm's model)"),
 }
 
-# Models whose output does not depend on the input's height and width (SPP before the FC
-# layers): they take images of any size and aspect ratio.
+# Models whose output does not depend on the input's height and width (SPP or global
+# average pooling before the FC layers): they take images of any size and aspect ratio.
 VARIABLE_SIZE_MODELS = frozenset({"cnn2_spp", "hmpl_ord", "hmpl_com", "hmpl_sup", "hmpl_sup2",
-                                  "hmpl_tiers"})
+                                  "hmpl_tiers", "resnet18", "resnet18_bn"})
+# Models of one input size that need not be square: their factory takes (height, width).
+RECTANGULAR_MODELS = frozenset({"mlp"})
 
 DEFAULT_MODEL = {"mnist": "cnn2", "fmnist": "cnn2", "cifar10": "cnn_cifar",
                  "cifar100": "cnn_cifar", "digits": "cnn_small", "synthetic": "cnn_small"}
@@ -143,15 +154,26 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
     if name not in MODELS:
         raise ConfigError(f"model.name = {name!r} is not a known model; valid: {', '.join(MODELS)}")
     channels, height, width = input_shape
+    size: int | tuple[int, int] = height
     if height != width:
-        raise ConfigError(f"model {name!r} needs square images, got {height}x{width}")
+        if name in RECTANGULAR_MODELS:
+            size = (height, width)
+        elif name not in VARIABLE_SIZE_MODELS:
+            valid = sorted(RECTANGULAR_MODELS | VARIABLE_SIZE_MODELS)
+            raise ConfigError(f"model {name!r} needs square images, got {height}x{width}; "
+                              f"models for images that are not square: {', '.join(valid)} "
+                              f"(or set dataset.resize)")
     factory = MODELS[name][0]
     try:
-        model = factory(channels, num_classes, height)
+        model = factory(channels, num_classes, size)
         with torch.no_grad():
             model(torch.zeros(1, *input_shape))
     except RuntimeError as exc:
+        hint = ""
+        if (height, width) == (1, 1):
+            hint = (f"; these are feature vectors of {channels} values (stored as {channels} "
+                    f"channels of 1x1), which model.name = 'mlp' takes")
         raise ConfigError(
-            f"model.name = {name!r} does not fit inputs of shape {input_shape}: {exc}"
+            f"model.name = {name!r} does not fit inputs of shape {input_shape}: {exc}{hint}"
         ) from exc
     return model
