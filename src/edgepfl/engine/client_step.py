@@ -24,6 +24,7 @@ from edgepfl.engine.schedule import step_lr, training_rate
 from edgepfl.engine.transport import Figures
 from edgepfl.federation.messages import Message
 from edgepfl.federation.rng import derive_seed, generator
+from edgepfl.privacy.dpsgd import accounted
 
 
 class ClientViews(NamedTuple):
@@ -92,7 +93,8 @@ def client_step(cfg: Config, part: Client, step: int, cid: int, msg: Message,
     """One client's update in one client step (the round in a star; (round - 1) * k2 +
     edge round in a hierarchy)."""
     with as_client(cfg, part, step, cid) as gen:
-        return part.update(cid, msg, state, data, gen)
+        # at privacy.level = sample, the DP-SGD steps it ran go back with its stats
+        return accounted(part, lambda: part.update(cid, msg, state, data, gen))
 
 
 def evaluate_client(client, trainer, cid: int, state, eval_msg: Message | None,

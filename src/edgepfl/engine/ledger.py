@@ -61,6 +61,9 @@ class Ledger:
     # accuracy in that round, over every evaluated round and over the rounds it was
     # selected in
     val_best: dict[str, list[float]] = field(default_factory=dict)
+    # privacy.level = sample: each client's DP-SGD steps per sampling rate and its sample
+    # count (edgepfl.privacy.rounds), JSON values
+    privacy: dict[str, list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n, e = self.num_clients, self.num_edges
@@ -128,7 +131,8 @@ class Ledger:
                 "edge_times": self.edge_times, "failures": self.failures.tolist(),
                 "failure_log": self.failure_log,
                 "client_best_selected": _nulls(self.client_best_selected),
-                "val_best": {k: _nulls(v) for k, v in self.val_best.items()}}
+                "val_best": {k: _nulls(v) for k, v in self.val_best.items()},
+                **({"privacy": self.privacy} if self.privacy else {})}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any], num_clients: int, num_edges: int,
@@ -156,12 +160,14 @@ class Ledger:
                 np.asarray(meta.get("failures", [0] * n), dtype=np.int64),
                 list(meta.get("failure_log", [])),
                 {k: [math.nan if v is None else float(v) for v in meta["val_best"][k]]
-                 for k in VAL_BEST if k in meta.get("val_best", {})})
+                 for k in VAL_BEST if k in meta.get("val_best", {})},
+                dict(meta.get("privacy", {})))
             if len(metrics) != rnd or ledger.bytes_up.shape != (n,) or \
                     ledger.bytes_down.shape != (n,) or ledger.edge_bytes_up.shape != (edges,) or \
                     ledger.edge_bytes_down.shape != (edges,) or \
                     ledger.failures.shape != (n,) or len(ledger.edge_times) != edges or \
-                    any(len(v) != n for v in ledger.val_best.values()):
+                    any(len(v) != n for v in ledger.val_best.values()) or \
+                    any(len(v) != n for v in ledger.privacy.values()):
                 raise ValueError(f"round {rnd}, {len(metrics)} metric rows, byte counts for "
                                  f"{ledger.bytes_up.shape} / {ledger.bytes_down.shape} clients "
                                  f"and {ledger.edge_bytes_up.shape} / "

@@ -35,6 +35,7 @@ from edgepfl.federation.rng import derive_seed
 from edgepfl.federation.store import MEMORY, Stacks
 from edgepfl.federation.topology import Federation
 from edgepfl.models import DEFAULT_MODEL, MODELS, LayerSpec, build_model, zoo
+from edgepfl.privacy import check_privacy, make_trainer
 
 
 def resolve(cfg: Config) -> Config:
@@ -189,8 +190,9 @@ class Parts:
             model = build_model(name, dataset.input_shape, dataset.num_classes)
             if crops is not None:
                 _probe(name, model, dataset.input_shape[0], crops)
-            trainers[name] = Trainer(model, cfg.eval.batch_size, device=device)
+            trainers[name] = make_trainer(cfg, model, device)
             models[name] = trainers[name].export()
+        check_privacy(cfg, algorithm, federation, {n: t.model for n, t in trainers.items()})
         if len(models) > 1:
             index = ParamIndex(models)
             first = index.union(models)

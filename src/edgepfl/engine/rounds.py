@@ -57,6 +57,7 @@ from edgepfl.engine.transport import (
 )
 from edgepfl.federation.messages import Message, MessageError, check_finite
 from edgepfl.federation.topology import CLOUD
+from edgepfl.privacy import round_privacy
 from edgepfl.system import FlopMeter, SystemModel, cost_totals, host_info, state_bytes
 
 log = logging.getLogger("edgepfl")
@@ -86,6 +87,7 @@ class Rounds:
         # the transport's clients report the FLOPs of their work (the simulation's do)
         self.counting = self.flops.enabled and transport.counts_flops
         self.asynchronous = self.cfg.topology.mode == "async"
+        self.privacy = round_privacy(parts, getattr(transport, "train_sizes", None))
         check_runtime(self.cfg, system, self.flops.enabled, transport.counts_flops)
 
     # -- how far the run goes ---------------------------------------------------------------
@@ -110,7 +112,9 @@ class Rounds:
         t = self.cfg.train
         stop = early_stop(self.metrics, t.early_stopping, t.early_stopping_delta,
                           "val_acc_mean" if self.cfg.eval.validation else "acc_mean")
-        return stop if stop is not None and stop["round"] < t.rounds else None
+        # else the privacy budget, which a round would pass (privacy.target_epsilon)
+        return (stop if stop is not None and stop["round"] < t.rounds
+                else self.privacy.stop(self.ledger, self.round))
 
     @property
     def done(self) -> bool:
@@ -147,12 +151,14 @@ class Rounds:
             self._warn_if_diverged(rnd, row["train_loss"])
         row["lr"] = round_lr(cfg, rnd)
         self.ledger.server_state_bytes = max(self.ledger.server_state_bytes, self._state_bytes())
-        if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
+        if (rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds
+                or self.privacy.stop(self.ledger, rnd) is not None):  # the last round
             row.update(self.evaluate(rnd))
         else:
             row.update(NO_EVAL)
         row.update(row.pop("_costs"))
         row.update(self.server.round_metrics())
+        row.update(self.privacy.row(self.ledger, rnd))
         row["wall_s"] = time.perf_counter() - t0
         self.ledger.add_row(row)
         return row
@@ -181,6 +187,7 @@ class Rounds:
                 except MessageError as exc:
                     delivery.rejected[cid] = str(exc)
         self._log_failures(step, delivery)
+        self.privacy.trained(self.ledger, delivery)
         need = math.ceil(f.min_replies * len(down) - 1e-9)
         if len(delivery.arrived) < need:
             raise TooFewReplies(
@@ -228,7 +235,9 @@ class Rounds:
         delivery = self._train(rnd, {cid: down[cid] for cid in selected}, losses)
         with self.flops.measure() as aggregate_flops:
             if delivery.arrived:  # a round nobody replied in leaves the server as it was
-                self.server.aggregate(rnd, {c: r.message for c, r in delivery.arrived.items()})
+                self.server.aggregate(rnd, self.privacy.replies(
+                    rnd, CLOUD, down, {c: r.message for c, r in delivery.arrived.items()},
+                    len(selected)))
         sent_down = delivery.bytes_down(down, selected)
         sent_up = delivery.bytes_up(selected)
         self.ledger.count_clients(sent_down, sent_up)
@@ -295,7 +304,8 @@ class Rounds:
                 mine = {c: delivery.arrived[c].message for c in by_edge[k] if c in delivery.arrived}
                 with book.edge(k):
                     if mine:  # an edge none of whose clients replied stays as it was
-                        self.edges[k].aggregate(rnd, s, mine)
+                        self.edges[k].aggregate(rnd, s, self.privacy.replies(
+                            step, k, down, mine, len(by_edge[k])))
                 book.edge_step(k, by_edge[k], down, delivery)
         up_e: dict[int, Message] = {}
         for k in edges:  # every edge reports what it holds; a busy one, its last model
@@ -374,6 +384,7 @@ class Rounds:
                                validation=bool(cfg.eval.validation)),
             **self.server.summary_figures(self.metrics),
             **traffic_summary(ledger),
+            **self.privacy.summary(ledger, self.round),
             "edges": fed.edges, "edge_rounds": fed.edge_rounds,
             "clients_failed_total": int(ledger.failures.sum()),
             "clients_failed_per_client": ledger.failures.tolist(),

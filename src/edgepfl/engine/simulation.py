@@ -82,6 +82,8 @@ class InProcess(Transport):
         self.parts = parts.clients()
         self.trainers = parts.trainers
         self.train_data, self.test_data = train_data, test_data
+        # what privacy.level = sample forecasts a round's spending from
+        self.train_sizes = [d.n for d in train_data]
         self.val_data = val_data or [None] * len(train_data)
         self.flops = flops
         self.store = StackedStore(fed.num_clients, parts.stacks)

@@ -1,0 +1,109 @@
+"""What a private run needs of its configuration, checked when its parts are built (on
+every runtime, a Flower ClientApp included), and the trainer it trains with."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from edgepfl.algorithms.base import Algorithm
+from edgepfl.algorithms.trainer import Trainer
+from edgepfl.config import Config
+from edgepfl.errors import ConfigError
+from edgepfl.federation.topology import Federation
+from edgepfl.privacy.accounting import library
+from edgepfl.privacy.dpsgd import PrivateTrainer
+
+log = logging.getLogger("edgepfl")
+
+
+def supports(algorithm: Algorithm, level: str) -> bool:
+    declared = algorithm.privacy
+    return declared.client == "mean" if level == "client" else declared.sample
+
+
+def check_privacy(cfg: Config, algorithm: Algorithm, federation: Federation,
+                  models: dict[str, torch.nn.Module]) -> None:
+    """Refuse, naming the setting and what is valid, a private run this engine cannot
+    account for; ``models``: each architecture's module."""
+    from edgepfl.algorithms import ALGORITHMS
+
+    p = cfg.privacy
+    level = p.level
+    if level == "none":
+        return
+    library()
+    if not supports(algorithm, level):
+        valid = [a.name for a in ALGORITHMS.values() if supports(a, level)]
+        raise ConfigError(f"privacy.level = {level!r} is refused by algorithm.name = "
+                          f"{algorithm.name!r}: {algorithm.privacy.refused}; algorithms with "
+                          f"{level}-level privacy: {', '.join(valid)} (docs/algorithms.md, "
+                          "'Differential privacy')")
+    if level == "client":
+        _check_client(cfg, federation)
+    else:
+        _check_sample(cfg, models)
+    if p.noise_multiplier == 0:
+        log.warning("privacy.noise_multiplier = 0: updates are clipped but not noised, so "
+                    "there is no privacy guarantee (epsilon is infinite)")
+
+
+def _check_client(cfg: Config, federation: Federation) -> None:
+    p = cfg.privacy
+    if len(federation.architectures) > 1:
+        raise ConfigError(
+            f"privacy.level = 'client' needs one architecture for every client, but model.tiers "
+            f"gives {len(federation.architectures)} ({', '.join(federation.architectures)}): "
+            "each parameter would be averaged over a different random set of clients, and the "
+            "noised sum's fixed denominator per parameter is not implemented (set "
+            "model.tiers = {})")
+    if p.accountant != "rdp":
+        raise ConfigError(
+            f"privacy.accountant = {p.accountant!r}: client level samples a fixed number of "
+            "clients without replacement each round, and among dp-accounting's accountants "
+            "only rdp accounts for that sampling; set privacy.accountant = 'rdp'")
+    if not federation.hierarchical:
+        return
+    if p.noise_at == "cloud":
+        raise ConfigError(
+            "privacy.noise_at = 'cloud' is refused: an edge hands its clients its average for "
+            f"topology.edge_rounds = {federation.edge_rounds} edge round(s) before the cloud "
+            "sees it, so that average would go out un-noised, and the edges would see the "
+            "clients' updates anyway; set privacy.noise_at = 'edge' (each edge adds the noise "
+            "to its clients' clipped sum; a client trusts its own edge)")
+    if cfg.topology.mode != "sync":
+        raise ConfigError(
+            f"privacy.level = 'client' with topology.mode = {cfg.topology.mode!r}: an edge's "
+            "number of edge rounds per cloud round then depends on simulated speeds, which "
+            "the accounting does not follow; set topology.mode = 'sync'")
+
+
+def _check_sample(cfg: Config, models: dict[str, torch.nn.Module]) -> None:
+    if cfg.train.batch_clients:
+        raise ConfigError(
+            "privacy.level = 'sample' with train.batch_clients = true: the batched path "
+            "vmaps over clients and would need per-sample gradients inside it (a second "
+            "vmap level) that it does not compute; set train.batch_clients = false")
+    if cfg.dataset.aspect_ratios:
+        raise ConfigError(
+            f"privacy.level = 'sample' with dataset.aspect_ratios = {cfg.dataset.aspect_ratios}: "
+            "a Poisson-sampled batch mixes crop sizes, which do not stack into one tensor; "
+            "set dataset.aspect_ratios = []")
+    normed = [name for name, model in models.items()
+              if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())]
+    if normed:
+        raise ConfigError(
+            f"privacy.level = 'sample' with BatchNorm in model {', '.join(map(repr, normed))}: "
+            "a BatchNorm output depends on the whole batch, so a sample has no gradient of "
+            "its own to clip, and its running statistics leave the client un-noised; choose a "
+            "model without BatchNorm (e.g. model.name = cnn2)")
+
+
+def make_trainer(cfg: Config, model: torch.nn.Module, device: torch.device) -> Trainer:
+    """The trainer of an architecture: DP-SGD's at sample level, else the plain one."""
+    p = cfg.privacy
+    if p.level == "sample":
+        return PrivateTrainer(model, cfg.eval.batch_size, device=device, clip=p.clip,
+                              noise_multiplier=p.noise_multiplier)
+    return Trainer(model, cfg.eval.batch_size, device=device)
