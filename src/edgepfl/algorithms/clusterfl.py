@@ -40,6 +40,7 @@ from edgepfl.algorithms.base import (
     IntRange,
     LogUniform,
     PersonalModelClient,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -294,4 +295,7 @@ ALGORITHM = Algorithm(
     client=ClusterFLClient,
     paper="Ouyang, Xie, Zhou, Huang, Xing, ClusterFL: a similarity-aware federated learning "
           "system for human activity recognition, MobiSys 2021",
+    privacy=PrivacySupport(
+        sample=True, refused="client level: it clusters clients by the similarity of their "
+        "individual weights"),
 )

@@ -37,6 +37,7 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Hyperparameters,
     PersonalModelClient,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -724,4 +725,8 @@ ALGORITHM = Algorithm(
     client=DCPFLClient,
     paper="Liu, Huang, He, Cao, Dynamic Clustering for Personalized Federated Learning on "
           "Heterogeneous Edge Devices (DC-PFL)",
+    privacy=PrivacySupport(
+        refused="client level: its server measures discrepancies between individual client "
+        "models; sample level: each client sends the received model's loss on its training data, "
+        "un-noised"),
 )

@@ -25,6 +25,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     LogUniform,
     PersonalModelClient,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -166,4 +167,7 @@ ALGORITHM = Algorithm(
     client=FedAMPClient,
     paper="Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021",
     complete=complete,
+    privacy=PrivacySupport(
+        sample=True, refused="client level: its server sends each client its own "
+        "attention-weighted combination of the individual models"),
 )

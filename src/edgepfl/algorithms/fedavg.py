@@ -17,6 +17,7 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Client,
     Hyperparameters,
+    PrivacySupport,
     Server,
     ServerContext,
     State,
@@ -110,4 +111,5 @@ ALGORITHM = Algorithm(
     client=FedAvgClient,
     heterogeneous=True,
     paper="McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017",
+    privacy=PrivacySupport(client="mean", sample=True),
 )

@@ -23,6 +23,7 @@ from edgepfl.algorithms.base import (
     Client,
     ClientContext,
     Hyperparameters,
+    PrivacySupport,
     ServerContext,
     State,
     UpdateResult,
@@ -113,4 +114,8 @@ ALGORITHM = Algorithm(
     client=FedBABUClient,
     paper="Oh, Kim and Yun, FedBABU: Toward Enhanced Representation for Federated Image "
           "Classification, ICLR 2022",
+    privacy=PrivacySupport(
+        client="mean", sample=True,
+        # DP-SGD fine-tunes the personal model too: every step on the data counts
+        epochs=lambda train, hp: train.local_epochs + hp.finetune_epochs),
 )

@@ -20,6 +20,7 @@ from edgepfl.algorithms.base import (
     Client,
     ClientContext,
     Hyperparameters,
+    PrivacySupport,
     ServerContext,
     State,
     UpdateResult,
@@ -104,4 +105,8 @@ ALGORITHM = Algorithm(
     client=FedBNClient,
     paper="Li et al., FedBN: Federated Learning on Non-IID Features via Local Batch Normalization, ICLR 2021",
     model_variant="_bn",
+    privacy=PrivacySupport(
+        client="mean", refused="sample level: its BatchNorm layers, the method's point, give a "
+        "sample no gradient of its own, and their running statistics would leave the client "
+        "un-noised"),
 )

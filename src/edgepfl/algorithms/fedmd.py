@@ -43,6 +43,7 @@ from edgepfl.algorithms.base import (
     ClientContext,
     Hyperparameters,
     PersonalModelClient,
+    PrivacySupport,
     Server,
     ServerContext,
     State,
@@ -373,4 +374,7 @@ ALGORITHM = Algorithm(
     complete=complete,
     paper="Li and Wang, FedMD: Heterogenous Federated Learning via Model Distillation, "
     "NeurIPS 2019 Workshop on Federated Learning for Data Privacy and Confidentiality",
+    privacy=PrivacySupport(
+        refused="client level: the server averages scores on public data, not model updates; "
+        "sample level: its public and private training phases are not accounted"),
 )

@@ -29,6 +29,7 @@ from edgepfl.algorithms.base import (
     ClientContext,
     Hyperparameters,
     IntRange,
+    PrivacySupport,
     SearchRange,
     ServerContext,
     State,
@@ -119,4 +120,5 @@ ALGORITHM = Algorithm(
     client=FedPerClient,
     paper="Arivazhagan, Aggarwal, Singh and Choudhary, Federated Learning with "
           "Personalization Layers, arXiv:1912.00818, 2019",
+    privacy=PrivacySupport(client="mean", sample=True),
 )

@@ -26,6 +26,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     LogUniform,
     PersonalModelClient,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -212,4 +213,8 @@ ALGORITHM = Algorithm(
     server=FedProtoServer,
     client=FedProtoClient,
     paper="Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022",
+    privacy=PrivacySupport(
+        refused="client level: the server averages class prototypes, not model updates; sample "
+        "level: prototypes computed from the training data are sent un-noised, and its prototype "
+        "loss has no per-sample gradient"),
 )

@@ -11,7 +11,12 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from edgepfl.algorithms.base import Algorithm, LogUniform, SearchRange
+from edgepfl.algorithms.base import (
+    Algorithm,
+    LogUniform,
+    PrivacySupport,
+    SearchRange,
+)
 from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
 from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.federation.messages import Message
@@ -37,4 +42,5 @@ ALGORITHM = Algorithm(
     client=FedProxClient,
     heterogeneous=True,
     paper="Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020",
+    privacy=PrivacySupport(client="mean", sample=True),
 )

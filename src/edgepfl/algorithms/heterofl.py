@@ -33,6 +33,7 @@ from edgepfl.algorithms.base import (
     Client,
     ClientContext,
     Hyperparameters,
+    PrivacySupport,
     Server,
     ServerContext,
     State,
@@ -261,4 +262,7 @@ ALGORITHM = Algorithm(
     model_variant="_bn",
     paper="Diao, Ding and Tarokh, HeteroFL: Computation and Communication Efficient "
           "Federated Learning for Heterogeneous Clients, ICLR 2021",
+    privacy=PrivacySupport(
+        client="mean", refused="sample level: each width trains on a skeleton of its own, outside "
+        "the engine's DP-SGD trainer, and static BatchNorm gives a sample no gradient of its own"),
 )

@@ -57,6 +57,7 @@ from edgepfl.algorithms.base import (
     EdgeContext,
     Hyperparameters,
     LogUniform,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -600,4 +601,7 @@ ALGORITHM = Algorithm(
     paper="Wen et al., Hierarchical Asynchronous Federated Learning Algorithm for Edge "
           "Computing Networks; Kim and Hospedales, FedHB: Hierarchical Bayesian Federated "
           "Learning, 2023",
+    privacy=PrivacySupport(
+        refused="client level: edges and cloud combine precision-weighted posteriors, not means "
+        "of updates; sample level: clients personalize on their training data at evaluation"),
 )

@@ -22,7 +22,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from edgepfl.algorithms.base import Algorithm, Edge, EdgeContext, State
+from edgepfl.algorithms.base import (
+    Algorithm,
+    Edge,
+    EdgeContext,
+    PrivacySupport,
+    State,
+)
 from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
 from edgepfl.algorithms.kit import (
     STALENESS,
@@ -141,4 +147,5 @@ ALGORITHM = Algorithm(
     edge=HierFAVGEdge,
     heterogeneous=True,
     paper="Liu et al., Client-Edge-Cloud Hierarchical Federated Learning, ICC 2020",
+    privacy=PrivacySupport(client="mean", sample=True),
 )

@@ -53,6 +53,7 @@ from edgepfl.algorithms.base import (
     Client,
     ClientContext,
     Hyperparameters,
+    PrivacySupport,
     Server,
     ServerContext,
     State,
@@ -711,6 +712,9 @@ HMPL = Algorithm(
     client=HMPLClient,
     paper=PAPER,
     default_model="hmpl_tiers",
+    privacy=PrivacySupport(
+        refused="client level: models of three tiers grown during training, each averaged over "
+        "its own holders; sample level: its stages train on skeletons of their own"),
 )
 
 HMPL_S = Algorithm(
@@ -721,6 +725,8 @@ HMPL_S = Algorithm(
     client=HMPLSClient,
     paper=PAPER,
     default_model="hmpl_ord",
+    privacy=PrivacySupport(
+        refused="client level and sample level: not reviewed (HMPL's SPP models)"),
 )
 
 ALGORITHMS = (HMPL, HMPL_S)

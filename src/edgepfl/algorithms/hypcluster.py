@@ -38,6 +38,7 @@ from edgepfl.algorithms.base import (
     Client,
     Hyperparameters,
     IntRange,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -254,4 +255,7 @@ ALGORITHM = Algorithm(
     client=HypClusterClient,
     paper="Mansour, Mohri, Ro and Suresh, Three Approaches for Personalization with "
           "Applications to Federated Learning, arXiv:2002.10619, 2020",
+    privacy=PrivacySupport(
+        refused="client level: each client is assigned a hypothesis from its own losses; sample "
+        "level: those losses on its training data go to the server un-noised"),
 )

@@ -47,6 +47,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     LogUniform,
     PersonalModelClient,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -736,6 +737,9 @@ KAPC = Algorithm(
     server=KAPCServer,
     client=KAPCClient,
     paper=PAPER,
+    privacy=PrivacySupport(
+        sample=True, refused="client level: its server builds the relation cube from each "
+        "client's own model, which a noised sum cannot replace"),
 )
 
 KAPC_BLS = Algorithm(
@@ -747,6 +751,9 @@ KAPC_BLS = Algorithm(
     server=KAPCBLSServer,
     client=KAPCBLSClient,
     paper=PAPER,
+    privacy=PrivacySupport(
+        sample=True, refused="client level: its server builds the relation cube from each "
+        "client's own model, which a noised sum cannot replace"),
 )
 
 ALGORITHM = KAPC

@@ -34,6 +34,7 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Hyperparameters,
     PersonalModelClient,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -190,4 +191,7 @@ ALGORITHM = Algorithm(
     client=L2SGDClient,
     paper="Hanzely, Richtarik, Federated Learning of a Mixture of Global and Local Models, "
           "arXiv:2002.05516, 2020",
+    privacy=PrivacySupport(
+        refused="client level: its averaging steps come at random, not once per sampled round; "
+        "sample level: its steps come from a batch sampler of its own"),
 )

@@ -13,6 +13,7 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Hyperparameters,
     PersonalModelClient,
+    PrivacySupport,
     Server,
     State,
     UpdateResult,
@@ -90,4 +91,7 @@ ALGORITHM = Algorithm(
     server=LocalServer,
     client=LocalClient,
     heterogeneous=True,
+    privacy=PrivacySupport(
+        sample=True, refused="client level: nothing leaves a client, so there is no aggregate to "
+        "noise (use privacy.level = sample to protect each client's samples in its own model)"),
 )

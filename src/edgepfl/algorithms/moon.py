@@ -30,6 +30,7 @@ from edgepfl.algorithms.base import (
     ClientContext,
     Hyperparameters,
     LogUniform,
+    PrivacySupport,
     SearchRange,
     ServerContext,
     State,
@@ -201,4 +202,8 @@ ALGORITHM = Algorithm(
     server=MOONServer,
     client=MOONClient,
     paper="Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021",
+    privacy=PrivacySupport(
+        client="mean", refused="sample level: its model-contrastive loss compares each batch with "
+        "two other models through the module, a loss term whose per-sample gradients DP-SGD here "
+        "does not clip"),
 )

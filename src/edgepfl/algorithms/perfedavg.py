@@ -24,6 +24,7 @@ from edgepfl.algorithms.base import (
     Client,
     Hyperparameters,
     LogUniform,
+    PrivacySupport,
     SearchRange,
     State,
     UpdateResult,
@@ -174,10 +175,16 @@ ALGORITHMS = (
               summary="Per-FedAvg (FO): first-order MAML local steps, FedAvg server, one "
                       "adaptation step before evaluation",
               hyperparameters=PerFedAvgHyperparameters, server=FedAvgServer,
-              client=PerFedAvgClient, paper=_PAPER),
+              client=PerFedAvgClient, paper=_PAPER,
+              privacy=PrivacySupport(
+                  client="mean", refused="sample level: its meta-gradient steps train "
+                  "outside the engine's DP-SGD trainer")),
     Algorithm(name="perfedavg_hf",
               summary="Per-FedAvg (HF): Hessian-free MAML local steps (finite-difference "
                       "Hessian-vector product), one adaptation step before evaluation",
               hyperparameters=PerFedAvgHyperparameters, server=FedAvgServer,
-              client=PerFedAvgHFClient, paper=_PAPER),
+              client=PerFedAvgHFClient, paper=_PAPER,
+              privacy=PrivacySupport(
+                  client="mean", refused="sample level: its meta-gradient steps train "
+                  "outside the engine's DP-SGD trainer")),
 )

@@ -42,6 +42,7 @@ from edgepfl.algorithms.base import (
     ClientContext,
     Hyperparameters,
     LogUniform,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -383,4 +384,7 @@ ALGORITHM = Algorithm(
     client=PFedBayesClient,
     paper="Zhang et al., Personalized Federated Learning via Variational Bayesian Inference, "
           "ICML 2022",
+    privacy=PrivacySupport(
+        refused="client level: the server aggregates posterior means and variances, not model "
+        "updates; sample level: its variational training runs outside the engine's DP-SGD trainer"),
 )

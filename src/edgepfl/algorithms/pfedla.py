@@ -27,6 +27,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     LogUniform,
     PersonalModelClient,
+    PrivacySupport,
     SearchRange,
     Server,
     ServerContext,
@@ -215,4 +216,7 @@ ALGORITHM = Algorithm(
     server=PFedLAServer,
     client=PFedLAClient,
     paper="Ma et al., Layer-wised Model Aggregation for Personalized Federated Learning, CVPR 2022",
+    privacy=PrivacySupport(
+        sample=True, refused="client level: per-client hypernetworks weight each client's "
+        "individual layers"),
 )

@@ -34,6 +34,7 @@ from edgepfl.algorithms.base import (
     Client,
     Hyperparameters,
     LogUniform,
+    PrivacySupport,
     SearchRange,
     ServerContext,
     State,
@@ -160,4 +161,7 @@ ALGORITHM = Algorithm(
     client=PFedMeClient,
     paper="Dinh, Tran, Nguyen, Personalized Federated Learning with Moreau Envelopes, "
           "NeurIPS 2020",
+    privacy=PrivacySupport(
+        client="mean", refused="sample level: its inner personalization loop trains outside the "
+        "engine's DP-SGD trainer"),
 )
