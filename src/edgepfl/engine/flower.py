@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 from edgepfl.algorithms.base import Client
 from edgepfl.algorithms.client_data import sample_count
 from edgepfl.config import Config, build_config, set_dotted
-from edgepfl.data.datasets import Dataset, load_dataset
+from edgepfl.data.datasets import Dataset, dataset_of
 from edgepfl.data.partition import Partition
 from edgepfl.engine.client_step import ClientViews, client_step, client_views, evaluate_client
 from edgepfl.engine.ledger import METRIC_COLUMNS
@@ -588,8 +588,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
         raise EdgepflError(f"{out} already holds a run; give the run config another {OUT} "
                            f"(flwr run ... --run-config 'out=\"runs/other\"'), or continue it "
                            f"with --run-config '{RESUME}=true'")
-    dataset = load_dataset(cfg.dataset.name, cfg.dataset.root, cfg.dataset.fraction, cfg.seed,
-                           cfg.dataset.download)
+    dataset = dataset_of(cfg.dataset, cfg.seed)
     n = cfg.partition.clients
     parts = Parts.build(cfg, dataset, n, out)
     rounds = Rounds(parts, FlowerTransport(None, {}, timeout, n, parts.federation.parent))

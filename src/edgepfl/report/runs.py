@@ -177,20 +177,18 @@ _federation: dict = {}
 
 
 def _federation_of(cfg: Config) -> dict:
-    from edgepfl.data import load_dataset, make_partition
+    from edgepfl.data import dataset_of, partition_of
 
     d, p = cfg.dataset, cfg.partition
-    data_key = (d.name, d.root, d.fraction, d.download, cfg.seed)
+    # every dataset setting: runs on other files (dataset.path) must not share a data set
+    data_key = (repr(sorted(d.model_dump().items())), cfg.seed)
     if _federation.get("key") != data_key:
         _federation.clear()
-        _federation.update(key=data_key, partitions={},
-                           dataset=load_dataset(d.name, d.root, d.fraction, cfg.seed, d.download))
+        _federation.update(key=data_key, partitions={}, dataset=dataset_of(d, cfg.seed))
     dataset, partitions = _federation["dataset"], _federation["partitions"]
     part_key = tuple(sorted(p.model_dump().items()))
     if part_key not in partitions:
-        partitions[part_key] = make_partition(
-            dataset.y_train, dataset.y_test, dataset.num_classes, p.scheme, p.clients, cfg.seed,
-            alpha=p.alpha, min_size=p.min_size, classes_per_client=p.classes_per_client)
+        partitions[part_key] = partition_of(p, dataset, cfg.seed)
     return {"dataset": dataset, "partition": partitions[part_key]}
 
 
