@@ -50,6 +50,15 @@ def client_views(dataset: Dataset, partition: Partition, cid: int,
         rng = np.random.default_rng(derive_seed(cfg.seed, "validation", cid))
         train_idx, val_idx = validation_split(train_idx, ds.y_train, share, rng)
     crops = image_crops(cfg, dataset) if cfg is not None else None
+    if crops is None and ds.variable_size:
+        # images of several sizes, each seen whole: its box is its own extent on the canvas
+        def whole(x, y, rows, split) -> ClientData:
+            return ClientData(x, y, rows, ds.boxes(split, rows), ds.norm)
+
+        return ClientViews(whole(ds.x_train, ds.y_train, train_idx, "train"),
+                           whole(ds.x_test, ds.y_test, idx, "test"),
+                           None if val_idx is None else whole(ds.x_train, ds.y_train, val_idx,
+                                                              "train"))
     if crops is None:
         val = None if val_idx is None else (ds.images("train", val_idx),
                                             ds.y_train.index_select(0, val_idx))

@@ -25,7 +25,7 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.devices import select_device
 from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import Config, build_config
-from edgepfl.data import load_dataset, make_partition
+from edgepfl.data import dataset_of, partition_of
 from edgepfl.data.aspect import Crops, parse_ratios
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition
@@ -62,12 +62,8 @@ def resolve(cfg: Config) -> Config:
 def load_federation(cfg: Config, dataset: Dataset | None = None,
                     partition: Partition | None = None) -> tuple[Dataset, Partition]:
     """The run's data set and its seeded split over the clients (either may be given)."""
-    dataset = dataset or load_dataset(cfg.dataset.name, cfg.dataset.root, cfg.dataset.fraction,
-                                      cfg.seed, cfg.dataset.download)
-    partition = partition or make_partition(
-        dataset.y_train, dataset.y_test, dataset.num_classes, cfg.partition.scheme,
-        cfg.partition.clients, cfg.seed, alpha=cfg.partition.alpha,
-        min_size=cfg.partition.min_size, classes_per_client=cfg.partition.classes_per_client)
+    dataset = dataset or dataset_of(cfg.dataset, cfg.seed)
+    partition = partition or partition_of(cfg.partition, dataset, cfg.seed)
     return dataset, partition
 
 
@@ -98,44 +94,57 @@ def image_crops(cfg: Config, dataset: Dataset) -> Crops | None:
     return Crops(parse_ratios(cfg.dataset.aspect_ratios), height, width)
 
 
-def _check_variable_size(cfg: Config, algorithm: Algorithm, federation: Federation) -> None:
-    """Crops of several sizes need an algorithm and models that take any input size."""
+def _check_variable_size(cfg: Config, algorithm: Algorithm, federation: Federation,
+                         native: list[tuple[int, int]] | None = None) -> None:
+    """Crops of several sizes, or images kept at their several sizes (``native``), need an
+    algorithm and models that take any input size."""
     from edgepfl.algorithms import ALGORITHMS
 
     ratios = cfg.dataset.aspect_ratios
+    if native is None:
+        cause = f"dataset.aspect_ratios = {ratios} crops them to several"
+        gives = f"dataset.aspect_ratios = {ratios} gives images of several sizes"
+        fix = "dataset.aspect_ratios = []"
+    else:
+        cause = gives = (f"the images of dataset.path = {cfg.dataset.path!r} come in "
+                         f"{len(native)} sizes ({', '.join(f'{h}x{w}' for h, w in native[:4])}"
+                         f"{', ...' if len(native) > 4 else ''})")
+        fix = "dataset.resize to make them one size"
     if not algorithm.variable_size:
         valid = [a.name for a in ALGORITHMS.values() if a.variable_size]
         raise ConfigError(f"algorithm.name = {algorithm.name!r} needs images of one size, but "
-                          f"dataset.aspect_ratios = {ratios} crops them to several; algorithms "
-                          f"for images of any size: {', '.join(valid)} (or set "
-                          f"dataset.aspect_ratios = [])")
+                          f"{cause}; algorithms for images of any size: {', '.join(valid)} "
+                          f"(or set {fix})")
     # read at call time: the registry is the models' own (edgepfl.models.zoo)
     fixed = [name for name in federation.architectures if name not in zoo.VARIABLE_SIZE_MODELS]
     if fixed:
         valid = [name for name in MODELS if name in zoo.VARIABLE_SIZE_MODELS]
-        raise ConfigError(f"dataset.aspect_ratios = {ratios} gives images of several sizes, but "
+        raise ConfigError(f"{gives}, but "
                           f"model {', '.join(map(repr, fixed))} takes one input size only (a "
                           f"fixed-size flatten before its fully connected layers); models for "
                           f"images of any size: {', '.join(valid) or 'none registered yet'} "
-                          f"(set model.name, or dataset.aspect_ratios = [])")
+                          f"(set model.name, or {fix})")
 
 
-def _probe(name: str, model: torch.nn.Module, channels: int, crops: Crops) -> None:
-    """Run every crop size through the model once, so that a crop too small for it (8x8
-    synthetic images seen 16:9 through three 2x2 poolings) stops the run before round 1.
-    In eval mode and without gradients: the model's weights and buffers stay as built."""
+def _probe(name: str, model: torch.nn.Module, channels: int, crops: Crops | None,
+           native: list[tuple[int, int]] | None = None) -> None:
+    """Run every crop size (or every size of ``native`` images) through the model once, so
+    that a crop too small for it (8x8 synthetic images seen 16:9 through three 2x2
+    poolings) stops the run before round 1. In eval mode and without gradients: the
+    model's weights and buffers stay as built."""
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for h, w in crops.shapes:
+            for h, w in (crops.shapes if crops is not None else native or []):
                 try:
                     model(torch.zeros(1, channels, h, w))
                 except RuntimeError as exc:
-                    raise ConfigError(
-                        f"model {name!r} cannot take the {h}x{w} crops of dataset.aspect_ratios "
-                        f"= {[f'{a}:{b}' for a, b in crops.ratios]} on {crops.height}x"
-                        f"{crops.width} images: {exc}") from None
+                    what = (f"the {h}x{w} images of dataset.path" if crops is None else
+                            f"the {h}x{w} crops of dataset.aspect_ratios = "
+                            f"{[f'{a}:{b}' for a, b in crops.ratios]} on {crops.height}x"
+                            f"{crops.width} images")
+                    raise ConfigError(f"model {name!r} cannot take {what}: {exc}") from None
     finally:
         model.train(training)
 
@@ -179,8 +188,9 @@ class Parts:
         federation = Federation.build(cfg, num_clients or cfg.partition.clients)
         _check_algorithm(algorithm, federation)
         crops = image_crops(cfg, dataset)
-        if crops is not None:
-            _check_variable_size(cfg, algorithm, federation)
+        native = dataset.sizes if dataset.variable_size else None
+        if crops is not None or native is not None:
+            _check_variable_size(cfg, algorithm, federation, native)
         device = select_device(cfg.train.device)
         trainers: dict[str, Trainer] = {}
         models: dict[str, dict[str, torch.Tensor]] = {}
@@ -188,8 +198,8 @@ class Parts:
             parts = ("init",) if name == cfg.model.name else ("init", name)
             torch.manual_seed(derive_seed(cfg.seed, *parts))
             model = build_model(name, dataset.input_shape, dataset.num_classes)
-            if crops is not None:
-                _probe(name, model, dataset.input_shape[0], crops)
+            if crops is not None or native is not None:
+                _probe(name, model, dataset.input_shape[0], crops, native)
             trainers[name] = make_trainer(cfg, model, device)
             models[name] = trainers[name].export()
         check_privacy(cfg, algorithm, federation, {n: t.model for n, t in trainers.items()})
