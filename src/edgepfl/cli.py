@@ -93,7 +93,7 @@ def main(log_level: str) -> None:
               help="override a setting, e.g. --set train.rounds=10 (repeatable)")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="run directory (default runs/<algorithm>-<dataset>-<time>)")
-@click.option("--resume", type=click.Path(file_okay=False, exists=True, path_type=Path),
+@click.option("--resume", type=click.Path(path_type=Path),
               help="continue the run in this directory from its last checkpoint; with "
               "--set train.rounds=N (more than it has) extend a finished run")
 @click.option("--quiet", is_flag=True, help="no progress display")
@@ -102,12 +102,15 @@ def main(log_level: str) -> None:
 def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         resume: Path | None, quiet: bool, threads: int | None) -> None:
     """Run one algorithm. With no arguments: FedAvg on digits, 10 clients, Dirichlet 0.3."""
-    from edgepfl.config import config_from_sources, load_toml
+    from edgepfl.config import config_from_sources, load_config_file
     from edgepfl.engine.simulation import resume_run, start_run
     from edgepfl.io import read_json
 
     _threads(threads)
     if resume is not None:
+        if not resume.is_dir():
+            raise EdgepflError(f"--resume {resume}: no such run directory"
+                               + (" (it is a file)" if resume.exists() else ""))
         if out is not None and out != resume:
             raise EdgepflError("--out and --resume name different directories; a resume "
                                "continues in its own run directory")
@@ -117,7 +120,7 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         cfg = None
         if config:
             extra = list(overrides)
-            if not _names_rounds(load_toml(config), overrides):
+            if not _names_rounds(load_config_file(config), overrides):
                 stored = read_json(resume / "config.json")
                 rounds = stored.get("train", {}).get("rounds") if isinstance(stored, dict) else None
                 if isinstance(rounds, int):
@@ -327,14 +330,35 @@ def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
 
 
 @main.command(name="list")
-def list_() -> None:
-    """Algorithms, data sets, models, partition schemes and settings."""
+@click.argument("pattern", required=False)
+def list_(pattern: str | None) -> None:
+    """Algorithms, data sets, models, partition schemes and settings; with PATTERN only the
+    lines whose name or description contain it (case-insensitive; * and ? as wildcards),
+    e.g. `edgepfl list lr` or `edgepfl list 'algorithm.*'`."""
+    import fnmatch
+
     from edgepfl.algorithms import ALGORITHMS
     from edgepfl.config import describe_sections
     from edgepfl.data import DATASETS, SCHEMES
     from edgepfl.models import MODELS
 
+    def matches(key: str, text: str) -> bool:
+        if pattern is None:
+            return True
+        line = f"{key} {text}".lower()
+        wanted = pattern.lower()
+        if any(c in wanted for c in "*?["):
+            return fnmatch.fnmatch(key.lower(), wanted) or fnmatch.fnmatch(line, f"*{wanted}*")
+        return wanted in line
+
+    shown = 0
+
     def section(title: str, items: dict[str, str]) -> None:
+        nonlocal shown
+        items = {k: v for k, v in items.items() if matches(k, v)}
+        if not items:
+            return
+        shown += len(items)
         click.echo(click.style(title, bold=True))
         width = max(len(k) for k in items)
         for k, v in items.items():
@@ -356,6 +380,8 @@ def list_() -> None:
         if rows:
             section(f"{name} hyperparameters",
                     {f"algorithm.{k}": f"{d}  (default {v})" for k, v, d in rows})
+    if pattern is not None and not shown:
+        raise click.ClickException(f"nothing listed matches {pattern!r}")
 
 
 if __name__ == "__main__":

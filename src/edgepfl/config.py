@@ -8,8 +8,11 @@ resume is checked against.
 from __future__ import annotations
 
 import copy
+import difflib
+import json
 import re
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -28,7 +31,8 @@ from edgepfl.system_config import SystemConfig
 
 class _Section(BaseModel):
     # inf / nan cannot be stored in config.json (JSON has neither), so they are refused
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              strict=True)
 
 
 class DatasetConfig(_Section):
@@ -350,12 +354,19 @@ def _format_validation_error(exc: ValidationError, data: dict) -> str:
         if err["type"] == "extra_forbidden":
             section = _section_model(err["loc"][:-1])
             valid = ", ".join(section.model_fields) if section else "?"
-            lines.append(f"unknown setting {key!r}; valid keys here: {valid}")
+            hint = did_you_mean(str(err["loc"][-1]), section.model_fields if section else [])
+            lines.append(f"unknown setting {key!r}{hint}; valid keys here: {valid}")
         elif isinstance(err.get("input"), dict):
             lines.append(f"{key or 'config'}: {err['msg']}")
         else:
             lines.append(f"{key} = {err.get('input')!r}: {err['msg']}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def did_you_mean(name: str, valid: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the valid names closest to a misspelt one, else ``""``."""
+    close = difflib.get_close_matches(name, list(valid), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
 
 
 def _section_model(loc: tuple) -> type[BaseModel] | None:
@@ -376,7 +387,12 @@ def _section_model(loc: tuple) -> type[BaseModel] | None:
 
 
 def parse_value(text: str) -> Any:
-    """Read a ``--set`` value as TOML (numbers, booleans, quoted strings), else a bare string."""
+    """Read a ``--set`` value as TOML (numbers, booleans, quoted strings), else a bare string;
+    Python's ``True`` / ``False`` are read as TOML's ``true`` / ``false``. Settings are
+    strict about types, so a quoted number stays a string and is refused where a number
+    belongs, on the command line as in a file."""
+    if text.strip() in ("True", "False"):
+        return text.strip() == "True"
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -428,8 +444,26 @@ def build_config(data: dict | None = None, overrides: list[str] | None = None) -
         raise ConfigError(_format_validation_error(exc, merged)) from None
 
 
+def load_config_file(path: str | Path) -> dict:
+    """A TOML configuration file, or a run's own config.json (``.json``: what a run used,
+    to run it again or vary it)."""
+    path = Path(path)
+    if path.suffix.lower() != ".json":
+        return load_toml(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not readable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} holds a JSON {type(data).__name__}, "
+                          "not an object of settings")
+    return data
+
+
 def config_from_sources(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    return build_config(load_toml(path) if path else {}, overrides)
+    return build_config(load_config_file(path) if path else {}, overrides)
 
 
 def describe_sections() -> list[tuple[str, str, str]]:

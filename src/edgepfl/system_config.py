@@ -27,7 +27,7 @@ Range = Annotated[list[float], Field(min_length=2, max_length=2)]
 class DeviceTier(BaseModel):
     """One class of devices (HMPL-style heterogeneity): a speed and a share of the clients."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
     name: str = Field(description="tier label, recorded per client in system.json")
     flops: float = Field(gt=0, description="training speed of this tier's devices, FLOP/s")
     share: float = Field(gt=0, le=1, description="fraction of the clients in this tier")
@@ -80,7 +80,8 @@ WEN_READINGS: dict[str, dict[str, Any]] = {
 class SystemConfig(BaseModel):
     """Simulated mobile edge network and devices (KAPC Table 4 by default)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              strict=True)
 
     profile: Literal["kapc_table4", "fixed_rate", "custom", "wen_table2"] = Field(
         "kapc_table4", description="kapc_table4 (Shannon links, KAPC Table 4), fixed_rate "

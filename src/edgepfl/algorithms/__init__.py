@@ -37,6 +37,7 @@ from edgepfl.algorithms.base import (
     ServerContext,
     UpdateResult,
 )
+from edgepfl.config import did_you_mean
 from edgepfl.errors import ConfigError
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
@@ -68,7 +69,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
 
 def get_algorithm(name: str) -> Algorithm:
     if name not in ALGORITHMS:
-        raise ConfigError(f"algorithm.name = {name!r} is not a known algorithm; valid: {', '.join(ALGORITHMS)}")
+        raise ConfigError(f"algorithm.name = {name!r} is not a known algorithm"
+                          f"{did_you_mean(str(name), ALGORITHMS)}; valid: {', '.join(ALGORITHMS)}")
     return ALGORITHMS[name]
 
 

@@ -374,6 +374,9 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
     ``kwargs`` go to ``Simulation`` (an already loaded ``dataset`` / ``partition``).
     """
     run_dir = Path(run_dir)
+    if not (run_dir / "config.json").exists():
+        raise EdgepflError(f"{run_dir} holds no run to resume: it has no config.json (a run "
+                           "directory is made by edgepfl run --out DIR)")
     stored = read_json(run_dir / "config.json")
     if not isinstance(stored, dict) or not isinstance(stored.get("train"), dict):
         raise ConfigError(f"{run_dir / 'config.json'} is not an edgepfl run configuration")
