@@ -13,7 +13,7 @@ import torch
 from edgepfl.algorithms import ALGORITHMS
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.trainer import Trainer
-from edgepfl.config import build_config
+from edgepfl.config import build_config, parse_value
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
@@ -322,3 +322,21 @@ def test_an_update_that_trains_outside_dpsgd_is_refused():
 
     with pytest.raises(PrivacyError, match="without the engine's DP-SGD trainer"):
         accounted(Part(), lambda: UpdateResult(Message(), {}, {"steps": 4.0}))
+
+
+# -- Flower -------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", ["client", "sample"])
+def test_flower_accounts_as_the_simulation(level):
+    """Client level runs in the ServerApp, sample level on each ClientApp, whose replies
+    carry the DP-SGD steps it ran: the same figures as the simulation's."""
+    pytest.importorskip("flwr")
+    from edgepfl.engine.flower import run_local
+
+    over = [*BASE, "algorithm.name=fedavg", f"privacy.level={level}",
+            "privacy.noise_multiplier=1.5"]
+    ours = run_local({k: parse_value(v) for k, v in (s.split("=", 1) for s in over)})
+    sim = run("algorithm.name=fedavg", f"privacy.level={level}", "privacy.noise_multiplier=1.5")
+    for a, b in zip(ours.metrics, sim.metrics, strict=True):
+        assert a["epsilon"] == b["epsilon"]
+        assert a["acc_mean"] == b["acc_mean"]
+    assert ours.summary["epsilon"] == sim.summary()["epsilon"]
