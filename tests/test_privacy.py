@@ -265,6 +265,8 @@ def test_sample_level_budget_stops_on_the_worst_clients_forecast():
       "privacy.noise_at=cloud"], "noise_at = 'cloud' is refused"),
     (["algorithm.name=hierfavg", "topology.edges=2", "topology.mode=async",
       "privacy.level=client"], "topology.mode"),
+    (["algorithm.name=hierfavg", "topology.edges=2", "topology.mode=async",
+      "privacy.level=sample", "privacy.target_epsilon=50"], "topology.mode"),
 ])
 def test_what_cannot_be_accounted_is_refused_at_set_up(overrides, match):
     with pytest.raises(ConfigError, match=match):

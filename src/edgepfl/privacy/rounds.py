@@ -180,6 +180,12 @@ class SamplePrivacy(_Budgeted):
                 "of samples before it trains (to know what its next round spends), which this "
                 "runtime's server does not have; run it in the simulation, or leave "
                 "privacy.target_epsilon unset (epsilon is still reported)")
+        if cfg.topology.mode != "sync" and self.p.target_epsilon is not None:
+            raise ConfigError(
+                "privacy.target_epsilon at privacy.level = 'sample' with topology.mode = "
+                f"{cfg.topology.mode!r}: a client's edge then runs as many edge rounds as "
+                "simulated speeds allow, so what its next round spends is not known before it "
+                "runs; set topology.mode = 'sync', or leave privacy.target_epsilon unset")
         self.check_budget(None)
         log.info("privacy: sample level (DP-SGD), %s", POISSON)
 
