@@ -33,6 +33,28 @@ def _progress_flag(quiet: bool) -> bool | None:
     return False if quiet else None
 
 
+PLUGIN_HELP = ("a plug-in to load: the path of a .py file or an importable module that "
+               "registers algorithms, models or data sets (edgepfl.plugins); repeatable, and "
+               "recorded in the run's config.json")
+
+
+def _plugin_option(fn):
+    return click.option("--plugin", "plugins", multiple=True, metavar="MODULE_OR_FILE",
+                        help=PLUGIN_HELP)(fn)
+
+
+def _with_plugins(cfg, plugins: tuple[str, ...]):
+    """``cfg`` with the --plugin specs added to its ``plugins`` (and loaded)."""
+    if not plugins:
+        return cfg
+    from edgepfl.config import build_config
+    from edgepfl.plugins import load_plugins, recorded
+
+    merged = recorded([*cfg.plugins, *plugins])
+    load_plugins(merged)
+    return build_config({**cfg.model_dump(), "plugins": merged})
+
+
 def _threads(value: int | None) -> None:
     """Threads are a property of the machine, not of the experiment, so not a setting."""
     if value is not None:
@@ -98,9 +120,10 @@ def main(log_level: str) -> None:
               "--set train.rounds=N (more than it has) extend a finished run")
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
+@_plugin_option
 @_user_errors("the last checkpoint is intact (continue with --resume RUN_DIR)")
 def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
-        resume: Path | None, quiet: bool, threads: int | None) -> None:
+        resume: Path | None, quiet: bool, threads: int | None, plugins: tuple[str, ...]) -> None:
     """Run one algorithm. With no arguments: FedAvg on digits, 10 clients, Dirichlet 0.3."""
     from edgepfl.config import config_from_sources, load_config_file
     from edgepfl.engine.simulation import resume_run, start_run
@@ -114,6 +137,13 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         if out is not None and out != resume:
             raise EdgepflError("--out and --resume name different directories; a resume "
                                "continues in its own run directory")
+        if plugins:  # the run's own plug-ins and these
+            import json
+
+            from edgepfl.plugins import recorded
+            stored = read_json(resume / "config.json") if (resume / "config.json").exists() else {}
+            known = stored.get("plugins", []) if isinstance(stored, dict) else []
+            overrides = (*overrides, "plugins=" + json.dumps(recorded([*known, *plugins])))
         # --set alone applies to the run's own configuration (e.g. train.rounds=90 extends
         # it); a config file is a whole configuration that must match the run, and extends
         # it only if it, or --set, names train.rounds (not through the default)
@@ -129,7 +159,7 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         result = resume_run(resume, cfg, progress=_progress_flag(quiet),
                             overrides=None if config else list(overrides))
     else:
-        cfg = config_from_sources(config, list(overrides))
+        cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
         result = start_run(cfg, out, progress=_progress_flag(quiet))
     _print_summary(result.summary, result.out_dir)
 
@@ -182,10 +212,11 @@ def _print_table(kind: str, out: Path) -> None:
               "table says which (repeatable, one study per algorithm)")
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
+@_plugin_option
 @_user_errors(RESUMABLE)
 def compare(config: Path | None, algorithms: str, seeds: str | None, reference: str | None,
             overrides: tuple[str, ...], out: Path | None, jobs: int, tuned: tuple[Path, ...],
-            quiet: bool, threads: int | None) -> None:
+            quiet: bool, threads: int | None, plugins: tuple[str, ...]) -> None:
     """Compare algorithms on the same partition and client sequence, over seeds: mean,
     sample std and 95% t-interval per algorithm, and each one's paired difference to the
     reference."""
@@ -199,7 +230,7 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
     names = _csv_list(algorithms, str, "--algorithms")
     for name in names:
         get_algorithm(name)
-    cfg = config_from_sources(config, list(overrides))
+    cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
     seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
     settings = notes = None
     if tuned:
@@ -226,10 +257,11 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
 @click.option("--jobs", type=int, default=1, show_default=True, help=JOBS_HELP)
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
+@_plugin_option
 @_user_errors(RESUMABLE)
 def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
           overrides: tuple[str, ...], out: Path | None, jobs: int, quiet: bool,
-          threads: int | None) -> None:
+          threads: int | None, plugins: tuple[str, ...]) -> None:
     """Run every combination of settings over seeds: one run directory each, and a table of
     best and final accuracy (mean, sample std, 95% t-interval over seeds) per combination.
 
@@ -244,7 +276,7 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
     from edgepfl.report.sweep import sweep as run_sweep
 
     axes = parse_grid(grid, overrides)
-    cfg = config_from_sources(config, list(overrides))
+    cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
     seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
     out = out or Path("runs") / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_sweep(cfg, axes, seed_list, out, progress=_progress_flag(quiet), echo=click.echo,
@@ -279,10 +311,11 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
               "the earlier trials' at the same round")
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
+@_plugin_option
 @_user_errors("the study keeps every finished trial: the same command again goes on with it")
 def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str, ...],
          space: tuple[str, ...], study: Path | None, jobs: int, seed: int, prune: bool,
-         quiet: bool, threads: int | None) -> None:
+         quiet: bool, threads: int | None, plugins: tuple[str, ...]) -> None:
     """Search an algorithm's hyperparameters on the validation split (Optuna, TPE): each
     trial a run scored by its best mean validation accuracy over the rounds; tune.md and
     tune.csv list the trials, best.json holds the best setting for compare --tuned.
@@ -298,7 +331,7 @@ def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str,
     from edgepfl.report.tune import tune as run_tune
 
     get_algorithm(algorithm)
-    cfg = config_from_sources(config, list(overrides))
+    cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
     folder, _ = study_location(study, algorithm)
     fixed = [o.partition("=")[0].strip() for o in overrides]
     best = run_tune(cfg, algorithm, trials, folder if study is None else study, space=space,
@@ -331,7 +364,9 @@ def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
 
 @main.command(name="list")
 @click.argument("pattern", required=False)
-def list_(pattern: str | None) -> None:
+@_plugin_option
+@_user_errors("")
+def list_(pattern: str | None, plugins: tuple[str, ...]) -> None:
     """Algorithms, data sets, models, partition schemes and settings; with PATTERN only the
     lines whose name or description contain it (case-insensitive; * and ? as wildcards),
     e.g. `edgepfl list lr` or `edgepfl list 'algorithm.*'`."""
@@ -341,6 +376,13 @@ def list_(pattern: str | None) -> None:
     from edgepfl.config import describe_sections
     from edgepfl.data import DATASETS, SCHEMES
     from edgepfl.models import MODELS
+    from edgepfl.plugins import load_plugins, origin
+
+    load_plugins(plugins)
+
+    def from_plugin(kind: str, name: str) -> str:
+        who = origin(kind, name)
+        return f"  (plug-in {who})" if who else ""
 
     def matches(key: str, text: str) -> bool:
         if pattern is None:
@@ -370,9 +412,9 @@ def list_(pattern: str | None) -> None:
         return f"  [{', '.join(tags)}]" if tags else ""
 
     section("algorithms ([edges]: needs topology.edges; [tiers]: takes model.tiers)",
-            {k: a.summary + marks(a) for k, a in ALGORITHMS.items()})
-    section("datasets", DATASETS)
-    section("models", {k: v[1] for k, v in MODELS.items()})
+            {k: a.summary + marks(a) + from_plugin("algorithm", k) for k, a in ALGORITHMS.items()})
+    section("datasets", {k: v + from_plugin("dataset", k) for k, v in DATASETS.items()})
+    section("models", {k: v[1] + from_plugin("model", k) for k, v in MODELS.items()})
     section("partition schemes", SCHEMES)
     section("settings (--set KEY=VALUE)", {k: f"{d}  (default {v})" for k, v, d in describe_sections()})
     for name, algo in ALGORITHMS.items():

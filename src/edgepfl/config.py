@@ -345,6 +345,17 @@ class Config(_Section):
     output: OutputConfig = OutputConfig()
     system: SystemConfig = SystemConfig()
     privacy: PrivacyConfig = PrivacyConfig()
+    plugins: list[str] = Field(
+        default_factory=list, description="plug-ins to load first: importable module names or "
+        "paths of .py files that register algorithms, models and data sets "
+        "(edgepfl.plugins; also edgepfl run --plugin)")
+
+    @field_validator("plugins", mode="before")
+    @classmethod
+    def _plugins(cls, value: Any) -> Any:
+        if isinstance(value, str):  # a Flower run config holds scalars: "a.py,b"
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        return value
 
 
 def _format_validation_error(exc: ValidationError, data: dict) -> str:

@@ -57,9 +57,9 @@ def model_from_state(state: State) -> State:
 class Hyperparameters(BaseModel):
     """Base of every algorithm's typed hyperparameters (unknown keys are errors)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
     # settings added after runs were stored whose default is not what those runs did: the
-    # value a stored configuration without the key ran with (``config.comparable``), so
+    # value a stored configuration without the key ran with (``rundir.comparable``), so
     # that a kept run is never mistaken for one of today's default
     before: ClassVar[dict[str, Any]] = {}
     # the settings worth searching (``edgepfl tune``), by hyperparameter name: those the
@@ -500,6 +500,7 @@ class Algorithm:
     def parse_hyperparameters(self, values: dict[str, Any]) -> Hyperparameters:
         from pydantic import ValidationError
 
+        from edgepfl.config import did_you_mean
         from edgepfl.errors import ConfigError
 
         try:
@@ -512,7 +513,9 @@ class Algorithm:
                 # a check across settings has no one field: it names the algorithm's settings
                 key = ".".join(["algorithm", *(str(p) for p in err["loc"])])
                 if err["type"] == "extra_forbidden":
-                    problems.append(f"{key} is not a hyperparameter of {self.name}; valid: {valid}")
+                    hint = did_you_mean(str(err["loc"][-1]), fields)
+                    problems.append(f"{key} is not a hyperparameter of {self.name}{hint}; "
+                                    f"valid: {valid}")
                 else:
                     problems.append(f"{key} = {err.get('input')!r}: {err['msg']}")
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None

@@ -59,6 +59,8 @@ DATASETS: dict[str, str] = {
 
 # Read from dataset.path, with the split and shape settings of the dataset section.
 OWN_DATASETS = ("npz", "imagefolder", "hf")
+# Data sets that plug-ins register (``edgepfl.plugins.register_dataset``): name -> loader.
+PLUGIN_LOADERS: dict[str, Callable] = {}
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,6 +198,15 @@ def load_dataset(
 
         raw = own.load(key, own.Source(path, test_fraction, resize, image_column, label_column,
                                        client_column))
+        return _finish(raw, share, int(seed))
+    if key in PLUGIN_LOADERS:
+        from edgepfl.data import own
+        from edgepfl.plugins import DataSource, origin
+
+        arrays = PLUGIN_LOADERS[key](DataSource(resolve_data_root(root),
+                                                None if path is None else str(path), int(seed)))
+        raw = own.from_arrays(key, arrays, f"data set {key!r} of plug-in "
+                              f"{origin('dataset', key)!r}", test_fraction)
         return _finish(raw, share, int(seed))
     for setting, value in (("path", path), ("resize", resize)):
         if value is not None:
@@ -805,4 +816,4 @@ _LOADERS: dict[str, Callable[[Path, bool, int], _Raw]] = {
     "digits": _load_digits,
     "synthetic": _load_synthetic,
 }
-assert set(_LOADERS) | set(OWN_DATASETS) == set(DATASETS)
+assert set(_LOADERS) | set(OWN_DATASETS) == set(DATASETS)  # before any plug-in registers

@@ -33,7 +33,7 @@ from __future__ import annotations
 import io
 import os
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -347,6 +347,24 @@ def _read_npz(path: Path) -> tuple[_Split, _Split | None, tuple[str, ...] | None
                         f"string arrays (no dtype=object)") from None
     except (OSError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path} is not a readable .npz file: {exc}") from None
+    return _split_arrays(path, arrays)
+
+
+def from_arrays(name: str, arrays: Mapping[str, np.ndarray], where: str,
+                test_fraction: float = 0.2) -> _Raw:
+    """A data set from named arrays, as an npz file holds them (``NPZ_ARRAYS``: x and y,
+    optionally x_test, y_test, client, client_test, classes): what a plug-in's data set
+    loader returns. ``where`` names the source in errors."""
+    unknown = [n for n in arrays if n not in NPZ_ARRAYS]
+    if unknown:
+        raise DataError(f"{where} gave array(s) {', '.join(map(repr, unknown))}; the arrays "
+                        f"read are {', '.join(NPZ_ARRAYS)} (x and y required)")
+    train, test, classes = _split_arrays(where, {k: np.asarray(v) for k, v in arrays.items()})
+    return _assemble(name, Path(where), train, test, classes, test_fraction)
+
+
+def _split_arrays(path: Path | str, arrays: dict[str, np.ndarray]
+                  ) -> tuple[_Split, _Split | None, tuple[str, ...] | None]:
     missing = [n for n in ("x", "y") if n not in arrays]
     if missing:
         raise DataError(f"{path} has no array {missing[0]!r}; it needs x (inputs) and y "
@@ -369,7 +387,8 @@ def _read_npz(path: Path) -> tuple[_Split, _Split | None, tuple[str, ...] | None
     return train, test, classes
 
 
-def _npz_split(path: Path, arrays: dict[str, np.ndarray], xk: str, yk: str, ck: str) -> _Split:
+def _npz_split(path: Path | str, arrays: dict[str, np.ndarray], xk: str, yk: str, ck: str
+               ) -> _Split:
     where = f"{path} (arrays {xk}, {yk})"
     x, y = arrays[xk], arrays[yk]
     client = arrays.get(ck)

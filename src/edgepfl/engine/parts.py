@@ -35,11 +35,14 @@ from edgepfl.federation.rng import derive_seed
 from edgepfl.federation.store import MEMORY, Stacks
 from edgepfl.federation.topology import Federation
 from edgepfl.models import DEFAULT_MODEL, MODELS, LayerSpec, build_model, zoo
+from edgepfl.plugins import load_plugins
 from edgepfl.privacy import check_privacy, make_trainer
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill in what defaults depend on (model per data set, algorithm hyperparameters)."""
+    """Fill in what defaults depend on (model per data set, algorithm hyperparameters),
+    with the configuration's plug-ins loaded first."""
+    load_plugins(cfg.plugins)
     algo = get_algorithm(cfg.algorithm.name)
     hp = algo.parse_hyperparameters(cfg.algorithm.hyperparameters())
     if algo.complete is not None:

@@ -30,6 +30,7 @@ from edgepfl.engine.ledger import METRIC_COLUMNS, Ledger, metric_columns
 from edgepfl.engine.progress import RoundProgress
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.io import read_tensors, write_csv, write_json, write_tensors
+from edgepfl.plugins import load_plugins
 
 if TYPE_CHECKING:
     from edgepfl.engine.rounds import Rounds
@@ -279,8 +280,9 @@ def without_rounds(cfg: dict) -> dict:
     """``cfg`` without the train settings of ``EXECUTION`` (the run's length and where it
     runs) and the output settings of ``TRACKING`` (the experiment trackers), which a
     resumed or extended run may change."""
-    out = {**cfg, "train": {k: v for k, v in cfg.get("train", {}).items()
-                            if k not in EXECUTION}}
+    # where a plug-in is loaded from is not what it computes: its names are compared
+    out = {**{k: v for k, v in cfg.items() if k != "plugins"},
+           "train": {k: v for k, v in cfg.get("train", {}).items() if k not in EXECUTION}}
     if isinstance(cfg.get("output"), dict):
         out["output"] = {k: v for k, v in cfg["output"].items() if k not in TRACKING}
     return out
@@ -294,13 +296,16 @@ def execution_changes(stored: dict, new: dict) -> list[str]:
         return part.get(key) if isinstance(part, dict) else None
 
     keys = [("train", k) for k in EXECUTION] + [("output", k) for k in TRACKING]
-    return [f"{s}.{k}" for s, k in keys if value(stored, s, k) != value(new, s, k)]
+    changed = [f"{s}.{k}" for s, k in keys if value(stored, s, k) != value(new, s, k)]
+    return changed + (["plugins"] if stored.get("plugins", []) != new.get("plugins", []) else [])
 
 
 def with_before(cfg: dict) -> dict:
     """A stored configuration with ``Hyperparameters.before`` filled in for the algorithm
     settings it lacks: what a run written before those settings existed did, so that it
     resumes doing that (``cfg["algorithm"]`` then holds at least those keys)."""
+    plugins = cfg.get("plugins")
+    load_plugins(plugins if isinstance(plugins, list) else [])  # its algorithm may be one
     stored = cfg.get("algorithm")
     stored = stored if isinstance(stored, dict) else {}
     algo = ALGORITHMS.get(stored.get("name"))  # type: ignore[arg-type]

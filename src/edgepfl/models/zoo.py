@@ -140,8 +140,8 @@ MODELS: dict[str, tuple[ModelFactory, str]] = {
 
 # Models whose output does not depend on the input's height and width (SPP or global
 # average pooling before the FC layers): they take images of any size and aspect ratio.
-VARIABLE_SIZE_MODELS = frozenset({"cnn2_spp", "hmpl_ord", "hmpl_com", "hmpl_sup", "hmpl_sup2",
-                                  "hmpl_tiers", "resnet18", "resnet18_bn"})
+VARIABLE_SIZE_MODELS = {"cnn2_spp", "hmpl_ord", "hmpl_com", "hmpl_sup", "hmpl_sup2",
+                        "hmpl_tiers", "resnet18", "resnet18_bn"}  # plug-ins add theirs
 # Models of one input size that need not be square: their factory takes (height, width).
 RECTANGULAR_MODELS = frozenset({"mlp"})
 

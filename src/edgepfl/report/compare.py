@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from edgepfl.algorithms import get_algorithm
 from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.engine.simulation import resolve
 from edgepfl.errors import EdgepflError
@@ -78,6 +79,58 @@ def split_hyperparameters(base: Config, algorithms: list[str]) -> dict[str, dict
     return out
 
 
+def algorithm_configs(base: Config, algorithms: list[str],
+                      settings: dict[str, dict] | None = None
+                      ) -> tuple[dict[str, Config], list[str]]:
+    """Each algorithm's resolved configuration: the base, its own hyperparameters
+    (``split_hyperparameters``) and model (``algorithm.<name>.model``), then ``settings``
+    (a study's best); and the star methods that run without the base's edges."""
+    configs, star = {}, []
+    for name, hp in split_hyperparameters(base, algorithms).items():
+        data = base.model_dump()
+        model = hp.pop("model", None)
+        if model is not None:
+            data["model"] = {**data["model"], "name": model}
+        data["algorithm"] = {"name": name, **hp}
+        if get_algorithm(name).edge is None and data["topology"]["edges"] > 0:
+            # a star method beside hierarchical ones: the same clients and data, no edges
+            data["topology"] = {**data["topology"], "edges": 0, "parents": []}
+            star.append(name)
+        for key, value in (settings or {}).get(name, {}).items():
+            set_dotted(data, key, value, f"{name}'s tuned {key}")
+        configs[name] = resolve(build_config(data))
+    return configs, star
+
+
+def _say_what_differs(configs: dict[str, Config], star: list[str], base: Config,
+                      echo: Callable[[str], None]) -> None:
+    if star:
+        echo(f"note: {', '.join(star)} {'runs' if len(star) == 1 else 'run'} on the same "
+             f"clients as a star, without the {base.topology.edges} edges")
+    models = {name: cfg.model.name for name, cfg in configs.items()}
+    if len(set(models.values())) > 1:
+        echo("note: the algorithms run different models (" +
+             ", ".join(f"{n}: {m}" for n, m in models.items()) +
+             "); --set model.name=... gives them all the same one, "
+             "--set algorithm.<name>.model=... one of them its own")
+
+
+def check_runnable(configs: dict[str, Config]) -> None:
+    """Build every algorithm's parts on its data before any run starts, so that one that
+    cannot run (a model that does not take the images, a star method given edges) stops
+    the comparison before the others have spent their time."""
+    from edgepfl.engine.parts import Parts
+    from edgepfl.errors import ConfigError
+    from edgepfl.report.runs import _federation_of
+
+    for name, cfg in configs.items():
+        try:
+            federation = _federation_of(cfg)
+            Parts.build(cfg, federation["dataset"], federation["partition"].num_clients)
+        except ConfigError as exc:
+            raise ConfigError(f"{name} cannot run in this comparison: {exc}") from None
+
+
 def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
             progress: bool | None = None, echo: Callable[[str], None] = print, *,
             jobs: int = 1, threads: int | None = None,
@@ -96,18 +149,9 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
     check_jobs(jobs)
     if (out / "comparison.csv").exists():
         raise EdgepflError(f"{out} already holds a comparison; choose another --out")
-    configs = {}
-    for name, hp in split_hyperparameters(base, algorithms).items():
-        data = base.model_dump()
-        data["algorithm"] = {"name": name, **hp}
-        for key, value in (settings or {}).get(name, {}).items():
-            set_dotted(data, key, value, f"{name}'s tuned {key}")
-        configs[name] = resolve(build_config(data))
-    models = {name: cfg.model.name for name, cfg in configs.items()}
-    if len(set(models.values())) > 1:
-        echo("note: the algorithms run different models (" +
-             ", ".join(f"{n}: {m}" for n, m in models.items()) +
-             "); --set model.name=... gives them all the same one")
+    configs, star = algorithm_configs(base, algorithms, settings)
+    check_runnable(configs)
+    _say_what_differs(configs, star, base, echo)
     # seed by seed, so that the runs sharing a seed's data set follow one another
     plan, of = [], {}
     for seed in seeds:
@@ -127,13 +171,8 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
 
     results = run_all(plan, out, jobs=jobs, threads=threads, progress=progress,
                       on_finished=finished, echo=echo)
-    rows = []
-    for run in plan:
-        name, seed = of[run.name]
-        s = results[run.name].summary
-        rows.append({**{k: s.get(k) for k in RUN_COLUMNS}, "algorithm": name, "seed": seed,
-                     "model": run.config.model.name, "run_dir": run.name})
-    rows = with_statistics(rows, algorithms, reference)
+    rows = with_statistics([_row(run, *of[run.name], results[run.name].summary)
+                            for run in plan], algorithms, reference)
     columns = COMPARISON_COLUMNS
     if tuned is not None:
         # only then: a table without tuning keeps the columns it always had
@@ -141,7 +180,8 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
         rows = [{**r, "tuned": tuned.get(r["algorithm"], "")} for r in rows]
     write_csv(out / "comparison.csv", columns, rows)
     write_bytes_atomic(out / "comparison.md",
-                       comparison_markdown(rows, algorithms, base, reference, tuned).encode())
+                       comparison_markdown(rows, algorithms, base, reference, tuned,
+                                           star).encode())
     plot_curves({name: seed_curves([results[run.name].curve for run in plan
                                     if of[run.name][0] == name]) for name in algorithms},
                 out / "comparison.png",
@@ -149,6 +189,11 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
                 if len(seeds) > 1 else "mean accuracy",
                 setting=setting_line(base.model_dump()))
     return rows
+
+
+def _row(run: PlannedRun, name: str, seed: int, summary: dict) -> dict:
+    return {**{k: summary.get(k) for k in RUN_COLUMNS}, "algorithm": name, "seed": seed,
+            "model": run.config.model.name, "run_dir": run.name}
 
 
 def _pct(value) -> str:
@@ -182,17 +227,39 @@ def with_statistics(rows: list[dict], algorithms: list[str], reference: str) -> 
 
 
 def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config,
-                        reference: str | None = None, tuned: dict[str, str] | None = None) -> str:
+                        reference: str | None = None, tuned: dict[str, str] | None = None,
+                        star: list[str] | tuple[str, ...] = ()) -> str:
+    """comparison.md: the setting, one row per algorithm with its spread and interval over
+    the seeds, what was tuned, and each algorithm against the reference seed by seed.
+    ``star``: star methods that ran on the hierarchy's clients without its edges."""
     reference = reference or default_reference(algorithms)
     seeds = sorted({r["seed"] for r in rows})
+    lines = _header(base, seeds, star) + _accuracy_table(rows, algorithms, base, tuned)
+    if tuned is not None:
+        lines += ["", "## Tuning", "",
+                  "Whether each algorithm ran at the best setting of a study on the validation "
+                  "split (edgepfl tune), applied over the settings above, or at its defaults.",
+                  "", "| algorithm | settings |", "|---|---|"]
+        lines += [f"| {name} | {tuned.get(name) or 'defaults (no study given)'} |"
+                  for name in algorithms]
+    others = [name for name in algorithms if name != reference]
+    if others:
+        lines += _paired_table(rows, others, reference, several=len(seeds) > 1)
+    return "\n".join(lines) + "\n"
+
+
+def _header(base: Config, seeds: list[int], star: list[str] | tuple[str, ...]) -> list[str]:
     several = len(seeds) > 1
-    partial = base.train.participation < 1
-    lines = [
+    edges = base.topology.edges
+    return [
         f"# Comparison on {base.dataset.name}",
         "",
         f"{base.partition.clients} clients, partition {base.partition.scheme} "
         f"(alpha {base.partition.alpha}), {base.train.rounds} rounds, participation "
-        f"{base.train.participation}, seeds {', '.join(map(str, seeds))}. "
+        f"{base.train.participation}, seeds {', '.join(map(str, seeds))}"
+        + (f", {edges} edges" if edges else "") + ". "
+        + (f"{', '.join(star)} (star methods) ran on the same clients and data as a star, "
+           "without the edges. " if star else "")
         + ("Each cell is the mean ± the sample standard deviation (ddof = 1) over the seeds; "
            "*95% CI* is Student's t-interval for the mean over the seeds. "
            if several else
@@ -206,6 +273,13 @@ def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config,
         "over the clients selected in it (KAPC's client-selection scenario). The paper's "
         "protocols can only flatter; the first columns are ours.",
         "",
+    ]
+
+
+def _accuracy_table(rows: list[dict], algorithms: list[str], base: Config,
+                    tuned: dict[str, str] | None) -> list[str]:
+    partial = base.train.participation < 1
+    lines = [
         "| algorithm | model | best mean acc | best 95% CI | final mean acc | final 95% CI | "
         "final std across clients | final worst client | each client's best | "
         + ("best over selected | " if partial else "") + "MB up | MB down |",
@@ -228,40 +302,35 @@ def comparison_markdown(rows: list[dict], algorithms: list[str], base: Config,
                      f"{cell('acc_std_final')} | {cell('acc_min_final')} | "
                      f"{cell('acc_client_best_mean')} | {selected}"
                      f"{cell('bytes_up_total', 1e-6)} | {cell('bytes_down_total', 1e-6)} |")
-    lines += ["", "Accuracies in %."]
-    if tuned is not None:
-        lines += ["", "## Tuning", "",
-                  "Whether each algorithm ran at the best setting of a study on the validation "
-                  "split (edgepfl tune), applied over the settings above, or at its defaults.",
-                  "", "| algorithm | settings |", "|---|---|"]
-        lines += [f"| {name} | {tuned.get(name) or 'defaults (no study given)'} |"
-                  for name in algorithms]
-    others = [name for name in algorithms if name != reference]
-    if others:
-        lines += [
-            "",
-            f"## Against {reference}, seed by seed",
-            "",
-            f"Each run minus the {reference} run of the same seed (the same partition and "
-            "client sequence), in percentage points: "
-            + ("the mean of these differences over the seeds and its 95% t-interval. Pairing "
-               "takes out what a seed does to every algorithm alike (an easy or a hard "
-               "partition), which the two algorithms' intervals side by side still hold; an "
-               "interval that excludes 0 is a difference these seeds support."
-               if several else "one seed's difference, with no interval (n/a)."),
-            "",
-            f"| algorithm | seeds | best mean acc − {reference} | 95% CI | "
-            f"final mean acc − {reference} | 95% CI |",
-            "|---|---|---|---|---|---|",
-        ]
-        ref = {r["seed"]: r for r in rows if r["algorithm"] == reference}
-        for name in others:
-            sel = {r["seed"]: r for r in rows if r["algorithm"] == name}
-            cells = []
-            for fig in STAT_FIGURES:
-                paired = stats.paired_estimate({k: r[fig] for k, r in sel.items()},
-                                               {k: r[fig] for k, r in ref.items()})
-                cells += [stats.mean_text(paired, 100, signed=True),
-                          stats.interval_text(paired, 100, signed=True)]
-            lines.append(f"| {name} | {len(sel)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return [*lines, "", "Accuracies in %."]
+
+
+def _paired_table(rows: list[dict], others: list[str], reference: str,
+                  several: bool) -> list[str]:
+    lines = [
+        "",
+        f"## Against {reference}, seed by seed",
+        "",
+        f"Each run minus the {reference} run of the same seed (the same partition and "
+        "client sequence), in percentage points: "
+        + ("the mean of these differences over the seeds and its 95% t-interval. Pairing "
+           "takes out what a seed does to every algorithm alike (an easy or a hard "
+           "partition), which the two algorithms' intervals side by side still hold; an "
+           "interval that excludes 0 is a difference these seeds support."
+           if several else "one seed's difference, with no interval (n/a)."),
+        "",
+        f"| algorithm | seeds | best mean acc − {reference} | 95% CI | "
+        f"final mean acc − {reference} | 95% CI |",
+        "|---|---|---|---|---|---|",
+    ]
+    ref = {r["seed"]: r for r in rows if r["algorithm"] == reference}
+    for name in others:
+        sel = {r["seed"]: r for r in rows if r["algorithm"] == name}
+        cells = []
+        for fig in STAT_FIGURES:
+            paired = stats.paired_estimate({k: r[fig] for k, r in sel.items()},
+                                           {k: r[fig] for k, r in ref.items()})
+            cells += [stats.mean_text(paired, 100, signed=True),
+                      stats.interval_text(paired, 100, signed=True)]
+        lines.append(f"| {name} | {len(sel)} | " + " | ".join(cells) + " |")
+    return lines

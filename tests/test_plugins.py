@@ -1,0 +1,115 @@
+"""Plug-ins: a user's algorithm, model and data set, loaded from a file, a module or an
+installed package, checked like built-in names and found again on resume."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from edgepfl import plugins
+from edgepfl.cli import main
+from edgepfl.engine.simulation import Simulation
+from tests.conftest import fast_config
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plugin" / "fedavgm_plugin.py"
+SMALL = ["--set", "train.rounds=2", "--set", "partition.clients=4", "--set",
+         "output.plots=false", "--quiet"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_the_example_runs_from_the_command_line_and_resumes_in_a_fresh_process(tmp_path):
+    run = tmp_path / "run"
+    res = invoke("run", "--plugin", str(EXAMPLE), "--set", "algorithm.name=fedavgm",
+                 "--set", "model.name=tiny_mlp", "--set", "dataset.name=blobs", *SMALL,
+                 "--out", str(run))
+    assert res.exit_code == 0, res.output
+    assert "fedavgm on blobs (4 clients, 2 rounds)" in res.output
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["plugins"] == [str(EXAMPLE)] and cfg["model"]["name"] == "tiny_mlp"
+    # a new process knows nothing of the plug-in but what config.json records
+    done = subprocess.run([sys.executable, "-m", "edgepfl.cli", "run", "--resume", str(run),
+                           "--set", "train.rounds=3", "--quiet"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "fedavgm on blobs (4 clients, 3 rounds)" in done.stdout
+
+
+def test_list_shows_a_plugins_names_and_where_they_come_from():
+    res = invoke("list", "--plugin", str(EXAMPLE), "plug-in")
+    assert res.exit_code == 0, res.output
+    for name in ("fedavgm", "tiny_mlp", "blobs"):
+        assert name in res.output, name
+    assert f"(plug-in {EXAMPLE})" in res.output
+    res = invoke("list", "--plugin", str(EXAMPLE), "algorithm.server_lr")
+    assert "fedavgm hyperparameters" in res.output and "(default 1.0)" in res.output
+
+
+def test_fedavgm_without_momentum_is_fedavg_and_with_it_is_not():
+    plugins.load_plugins([str(EXAMPLE)])
+    sets = ("dataset.name=blobs", "model.name=tiny_mlp", "train.rounds=2")
+    fedavg = Simulation(fast_config("algorithm.name=fedavg", *sets), progress=False)
+    plain = Simulation(fast_config("algorithm.name=fedavgm", "algorithm.momentum=0",
+                                   "algorithm.server_lr=1", *sets), progress=False)
+    moving = Simulation(fast_config("algorithm.name=fedavgm", *sets), progress=False)
+    for sim in (fedavg, plain, moving):
+        sim.run()
+    for name, weights in fedavg.server.global_model.items():
+        assert torch.allclose(plain.server.global_model[name], weights, atol=1e-6), name
+    assert any(not torch.allclose(moving.server.global_model[n], w, atol=1e-3)
+               for n, w in fedavg.server.global_model.items())
+    assert moving.server.velocity and all(v.abs().sum() > 0 for v in moving.server.velocity.values())
+
+
+def test_bad_plugins_are_named_errors(tmp_path):
+    res = invoke("run", "--plugin", str(tmp_path / "missing.py"))
+    assert res.exit_code == 2 and "no such file" in res.output
+    res = invoke("run", "--plugin", "no_such_module_anywhere")
+    assert res.exit_code == 2 and "no module of that name" in res.output
+    taken = tmp_path / "taken.py"
+    taken.write_text("from edgepfl.plugins import register_model\n"
+                     "register_model('cnn2', lambda c, k, s: None, 'a second cnn2')\n")
+    res = invoke("run", "--plugin", str(taken))
+    assert res.exit_code == 2 and "registers the model 'cnn2', which edgepfl already has" in res.output
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('half written')\n")
+    res = invoke("list", "--plugin", str(broken))
+    assert res.exit_code == 2 and "failed to load: RuntimeError: half written" in res.output
+
+
+def test_an_installed_package_is_found_through_its_entry_point(tmp_path, monkeypatch):
+    (tmp_path / "edgepfl_fake_pkg.py").write_text(textwrap.dedent("""
+        from edgepfl.plugins import register_model
+        from torch import nn
+
+        def register():
+            register_model("fake_linear", lambda c, k, s: nn.Sequential(nn.Flatten(),
+                           nn.Linear(c * s * s, k)), "installed through an entry point")
+    """))
+    dist = tmp_path / "edgepfl_fake_pkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: edgepfl-fake-pkg\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[edgepfl.plugins]\nfake = edgepfl_fake_pkg:register\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugins, "_installed_loaded", False)
+    from edgepfl.models import MODELS
+    monkeypatch.delitem(MODELS, "fake_linear", raising=False)
+    plugins.load_installed()
+    assert MODELS["fake_linear"][1] == "installed through an entry point"
+    assert plugins.origin("model", "fake_linear").startswith("fake")
+    monkeypatch.delitem(MODELS, "fake_linear")
+
+
+def test_flower_apps_load_the_plugins_of_the_run_config():
+    from edgepfl.engine.flower import run_local
+
+    result = run_local({"plugins": str(EXAMPLE), "algorithm.name": "fedavgm",
+                        "dataset.name": "blobs", "partition.clients": 3, "train.rounds": 1,
+                        "output.plots": False})
+    assert result.summary["algorithm"] == "fedavgm" and result.summary["model"] == "tiny_mlp"
