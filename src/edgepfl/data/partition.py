@@ -114,23 +114,8 @@ def make_partition(
     train_ss, test_ss = np.random.SeedSequence([int(seed) % 2**64, _SEED_TAG]).spawn(2)
     rng = np.random.default_rng(train_ss)
     totals = np.bincount(ytr, minlength=num_classes)
-    if scheme in ("iid", "natural"):
-        if scheme == "iid":
-            owner = _iid(n, clients, rng)
-        else:
-            owner = _owners(train_clients, n, clients, "train")
-        counts = np.bincount(owner * num_classes + ytr, minlength=clients * num_classes).reshape(
-            clients, num_classes
-        )
-    else:
-        if scheme == "dirichlet":
-            counts = _dirichlet(totals, clients, rng, alpha, min_size)
-        elif scheme == "pathological":
-            counts = _pathological(totals, clients, rng, classes_per_client)
-        else:
-            counts = _primary_secondary(totals, clients, rng)
-        owner = _assign(ytr, counts, rng)
-
+    owner, counts = _train_owners(scheme, ytr, totals, clients, rng, alpha, min_size,
+                                  classes_per_client, train_clients)
     empty = np.flatnonzero(counts.sum(1) == 0)
     if empty.size and scheme == "natural":
         raise DataError(
@@ -157,6 +142,30 @@ def make_partition(
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _train_owners(scheme: str, ytr: np.ndarray, totals: np.ndarray, clients: int,
+                  rng: np.random.Generator, alpha: float, min_size: int,
+                  classes_per_client: int, train_clients: torch.Tensor | None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Each training sample's client and the [clients, classes] counts, by ``scheme``."""
+    n, num_classes = ytr.size, totals.size
+    if scheme in ("iid", "natural"):
+        if scheme == "iid":
+            owner = _iid(n, clients, rng)
+        else:
+            owner = _owners(train_clients, n, clients, "train")
+        counts = np.bincount(owner * num_classes + ytr, minlength=clients * num_classes).reshape(
+            clients, num_classes
+        )
+        return owner, counts
+    if scheme == "dirichlet":
+        counts = _dirichlet(totals, clients, rng, alpha, min_size)
+    elif scheme == "pathological":
+        counts = _pathological(totals, clients, rng, classes_per_client)
+    else:
+        counts = _primary_secondary(totals, clients, rng)
+    return _assign(ytr, counts, rng), counts
 
 
 def _check_scheme(scheme: str, num_classes: Any) -> int:

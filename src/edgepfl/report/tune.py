@@ -529,15 +529,8 @@ def _worker(args: dict) -> None:
 
 
 # -- the command --------------------------------------------------------------------------
-def tune(base: Config, algorithm: str, trials: int, study: Path | None = None, *,
-         space: Iterable[str] = (), fixed: Iterable[str] = (), seed: int = 0, jobs: int = 1,
-         threads: int | None = None, pruner: Any = "median", progress: bool | None = None,
-         echo: Callable[[str], None] = print) -> dict:
-    """Run the study's missing trials (up to ``trials`` in all), then write tune.csv,
-    tune.md and, once a trial has completed, best.json into its folder. ``space``:
-    --space values; ``fixed``: the keys --set gave, which the search leaves alone;
-    ``pruner``: "median", "none" or an Optuna pruner (one process only). Returns
-    best.json's content."""
+def _check_request(base: Config, algorithm: str, trials: int, seed: int, jobs: int,
+                   pruner: Any) -> None:
     get_algorithm(algorithm)
     if not base.eval.validation:
         raise ConfigError(
@@ -556,6 +549,18 @@ def tune(base: Config, algorithm: str, trials: int, study: Path | None = None, *
     if jobs > 1 and not (pruner is None or isinstance(pruner, str)):
         raise ConfigError("a pruner object works in one process only; with --jobs give "
                           f"one of {', '.join(PRUNERS)}")
+
+
+def tune(base: Config, algorithm: str, trials: int, study: Path | None = None, *,
+         space: Iterable[str] = (), fixed: Iterable[str] = (), seed: int = 0, jobs: int = 1,
+         threads: int | None = None, pruner: Any = "median", progress: bool | None = None,
+         echo: Callable[[str], None] = print) -> dict:
+    """Run the study's missing trials (up to ``trials`` in all), then write tune.csv,
+    tune.md and, once a trial has completed, best.json into its folder. ``space``:
+    --space values; ``fixed``: the keys --set gave, which the search leaves alone;
+    ``pruner``: "median", "none" or an Optuna pruner (one process only). Returns
+    best.json's content."""
+    _check_request(base, algorithm, trials, seed, jobs, pruner)
     from edgepfl.engine.parts import resolve
     from edgepfl.report.runs import _federation_of
 
