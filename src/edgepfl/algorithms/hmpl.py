@@ -69,8 +69,8 @@ from edgepfl.federation.rng import derive_seed
 from edgepfl.io import read_json, write_json
 from edgepfl.models.hmpl import SUP_MAX_DEPTH, layer_role, preserving_start
 from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, check_stage, stage_model
+from edgepfl.models.memory import training_step_bytes
 from edgepfl.models.zoo import MODELS
-from edgepfl.system.memory import training_step_bytes
 
 log = logging.getLogger("edgepfl")
 
@@ -259,7 +259,7 @@ def tier_costs(times: dict[int, float], flops: dict[int, int] | None,
 @cache
 def step_memory(stage: int, input_shape: tuple[int, int, int], classes: int,
                 batch: int) -> dict[str, int]:
-    """``system.memory.training_step_bytes`` of the tier model of ``stage``."""
+    """``models.memory.training_step_bytes`` of the tier model of ``stage``."""
     with torch.random.fork_rng(devices=[]):  # the run's generator is left as it was
         model = MODELS[stage_model(stage)][0](input_shape[0], classes)
     return training_step_bytes(model, input_shape, batch)
