@@ -35,6 +35,14 @@ class _Section(BaseModel):
                               strict=True)
 
 
+def listed(value: Any) -> Any:
+    """A list setting given as one comma-separated string (a Flower run config holds
+    scalars only) as its list of items; anything else as it is, for pydantic to check."""
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value
+
+
 class DatasetConfig(_Section):
     name: str = Field("digits", description="mnist, fmnist, cifar10, cifar100, digits, "
                       "synthetic; your own data: npz, imagefolder, hf (read from dataset.path)")
@@ -70,8 +78,7 @@ class DatasetConfig(_Section):
     @field_validator("aspect_ratios", mode="before")
     @classmethod
     def _aspect_ratios(cls, value: Any) -> Any:
-        if isinstance(value, str):  # a Flower run config holds scalars: "16:9,4:3"
-            value = [v for v in value.split(",") if v.strip()]
+        value = listed(value)  # "16:9,4:3"
         if not isinstance(value, list | tuple):
             return value  # pydantic names the type error
         out: list[str] = []
@@ -279,8 +286,7 @@ class OutputConfig(_Section):
     @field_validator("trackers", mode="before")
     @classmethod
     def _trackers(cls, value: Any) -> Any:
-        if isinstance(value, str):  # a Flower run config holds scalars: "tensorboard,mlflow"
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        value = listed(value)  # "tensorboard,mlflow"
         if not isinstance(value, list | tuple):
             return value  # pydantic names the type error
         unknown = [v for v in value if v not in TRACKERS]
@@ -353,9 +359,7 @@ class Config(_Section):
     @field_validator("plugins", mode="before")
     @classmethod
     def _plugins(cls, value: Any) -> Any:
-        if isinstance(value, str):  # a Flower run config holds scalars: "a.py,b"
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        return value
+        return listed(value)  # "a.py,b"
 
 
 def _format_validation_error(exc: ValidationError, data: dict) -> str:
