@@ -155,8 +155,10 @@ CASES = {
 # One clusterfl client's fit ends 6.2e-5 from the sequential one: a difference of memory
 # layout, not of batching. Two one-after-another fits of it, on the skeleton's
 # channels-last kernels and on NCHW ones (which vmap's batched kernels use), are as far
-# apart; the batched fit is 3e-8 from the NCHW one.
-STATE_ATOL = {"clusterfl": 1e-4}
+# apart; the batched fit is 3e-8 from the NCHW one. On AVX2 CPUs (the CI machines) the same
+# layout effect reaches 6.0e-5 for fedavg-local and dcpfl, and KAPC-BLS's coaching gradient,
+# which scales with the distance to its targets, carries it to 6.0e-4 (measured there).
+STATE_ATOL = {"clusterfl": 1e-4, "fedavg-local": 1e-4, "dcpfl": 1e-4, "kapc_bls": 1e-3}
 
 
 @pytest.mark.parametrize("case", list(CASES))
