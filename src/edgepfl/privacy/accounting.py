@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
@@ -121,29 +121,34 @@ def sample_epsilon(events: tuple[tuple[float, int], ...], noise_multiplier: floa
         return float(accountant.get_epsilon(delta))
 
 
-def calibrate(epsilon_of: Any, target_epsilon: float, upper: float = 64.0) -> float:
-    """The smallest noise multiplier whose ``epsilon_of(noise)`` is at most
-    ``target_epsilon``, by dp-accounting's ``calibrate_dp_mechanism`` search (to 0.1%)."""
+def calibrate(epsilon_of: Callable[[float], float], target_epsilon: float,
+              tol: float = 1e-2) -> float:
+    """The smallest noise multiplier (within ``tol``) whose ``epsilon_of(noise)`` is at most
+    ``target_epsilon``: dp-accounting's ``calibrate_dp_mechanism`` search, which returns a
+    value on the budget's side of the root. ``epsilon_of`` is this module's accounting of a
+    whole run (a run's epsilon is a maximum over aggregators or clients, which no single
+    library event states), handed to the search as its accountant."""
     dp = library()
     mc = dp.mechanism_calibration
 
-    class _Fixed:
-        # calibrate_dp_mechanism asks for an accountant and an event; here the epsilon of
-        # one parameter is what the caller's accounting says, through the same library
+    class Run:
+        ledger = dp.NoOpDpEvent()  # the search checks that each accountant starts empty
+
         def __init__(self) -> None:
             self.noise = math.nan
 
-        def compose(self, event: Any, count: int = 1) -> None:
-            self.noise = event
+        def compose(self, noise: float, count: int = 1) -> Run:
+            self.noise = noise
+            return self
 
         def get_epsilon(self, delta: float) -> float:
-            return epsilon_of(self.noise)
+            # the search brackets the root by signs: an infinite epsilon is only large
+            return min(epsilon_of(self.noise), 1e12)
 
     with _quiet():
         return float(mc.calibrate_dp_mechanism(
-            _Fixed, lambda noise: noise, target_epsilon, 0.0,
-            bracket_interval=mc.LowerEndpointAndGuess(1e-3, 1.0),
-            discrete=False, tol=1e-3) if epsilon_of(upper) <= target_epsilon else math.nan)
+            Run, lambda noise: noise, target_epsilon, 0.0,
+            bracket_interval=mc.LowerEndpointAndGuess(0.05, 1.0), tol=tol))
 
 
 def groups_of(sizes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
