@@ -19,7 +19,7 @@ from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import Message
 from edgepfl.privacy import PrivacyError
-from edgepfl.privacy.accounting import client_epsilon, sample_epsilon
+from edgepfl.privacy.accounting import calibrate, client_epsilon, sample_epsilon
 from edgepfl.privacy.aggregate import private_replies
 from edgepfl.privacy.dpsgd import PrivateTrainer, accounted
 
@@ -182,6 +182,14 @@ def test_sample_epsilon_is_the_librarys(kind):
     acc = (dp.pld.PLDAccountant() if kind == "pld" else dp.rdp.RdpAccountant())
     acc.compose(dp.PoissonSampledDpEvent(0.05, dp.GaussianDpEvent(1.1)), 400)
     assert sample_epsilon(((0.05, 400),), 1.1, 1e-4, kind) == acc.get_epsilon(1e-4)
+
+
+def test_calibrated_noise_is_the_smallest_within_the_budget():
+    def epsilon_of(noise):
+        return client_epsilon(((50, 5),), noise, 1, 20, 0.02)
+
+    noise = calibrate(epsilon_of, 4.0, tol=1e-2)
+    assert epsilon_of(noise) <= 4.0 < epsilon_of(noise - 2e-2)
 
 
 def test_a_runs_epsilon_column_is_the_librarys_for_its_rounds():
