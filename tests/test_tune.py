@@ -280,3 +280,14 @@ def test_compare_runs_a_tuned_algorithm_at_its_best_setting(tmp_path):
     assert res.exit_code == 2 and "tuned fedprox, which is not among" in res.output
     res = invoke(*args[:-1], str(tmp_path / "none"), "--tuned", str(tmp_path / "missing"))
     assert res.exit_code == 2 and "no " in res.output and "best.json" in res.output
+
+
+def test_the_same_command_again_goes_on_with_its_study(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["tune", "--algorithm", "fedprox", *FAST, *VALIDATION, "--set", "train.rounds=1"]
+    assert invoke(*args, "--trials", "1").exit_code == 0
+    again = invoke(*args, "--trials", "2")
+    assert again.exit_code == 0, again.output
+    assert "1 of 2 trials done" in again.output
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["tune-fedprox"]
+    assert len(rows(tmp_path / "runs" / "tune-fedprox" / "tune.csv")) == 2

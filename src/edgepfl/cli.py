@@ -299,7 +299,7 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
               "--space algorithm.mu=loguniform:0.001:1 (repeatable)")
 @click.option("--study", type=click.Path(path_type=Path),
               help="the study's folder (or its study.db), which holds the trials' run "
-              "directories; an existing study goes on (default runs/tune-<algorithm>-<time>)")
+              "directories; an existing study goes on (default runs/tune-<algorithm>: the same command again goes on)")
 @click.option("--jobs", type=int, default=1, show_default=True,
               help="worker processes sharing the study, each running trials with --threads "
               "torch threads (default: the cores shared out); the command in several shells "

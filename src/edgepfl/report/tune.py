@@ -39,7 +39,6 @@ import traceback
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -242,9 +241,10 @@ def _types(annotation: Any) -> set[type]:
 # -- where a study lives ------------------------------------------------------------------
 def study_location(study: Path | None, algorithm: str) -> tuple[Path, Path]:
     """(the study's folder, its SQLite file) from ``--study``: a folder, or a ``.db``
-    file whose folder holds the trials; default runs/tune-<algorithm>-<time>."""
+    file whose folder holds the trials; default runs/tune-<algorithm>, so that the same
+    command run again goes on with its study (another configuration is refused there)."""
     if study is None:
-        folder = Path("runs") / f"tune-{algorithm}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        folder = Path("runs") / f"tune-{algorithm}"
         return folder, folder / DB_NAME
     if study.suffix == ".db":
         return study.parent, study
