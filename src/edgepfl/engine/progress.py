@@ -74,8 +74,8 @@ class RoundProgress:
 
     def update(self, rnd: int, row: dict) -> None:
         acc = row.get("acc_mean")
-        mb = (row["bytes_up"] + row["bytes_down"]) / 1e6
         if self._progress is not None:
+            mb = (row["bytes_up"] + row["bytes_down"]) / 1e6
             acc_txt = "acc   -  " if acc is None or acc != acc else f"acc {acc:6.2%}"
             self._progress.update(self._task, completed=rnd,
                                   info=f"{acc_txt}  {mb:8.2f} MB  {row['wall_s']:.2f}s/round")

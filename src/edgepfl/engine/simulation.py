@@ -283,16 +283,18 @@ class Simulation:
                              label=f"{cfg.algorithm.name} on {cfg.dataset.name}",
                              progress=self.progress, hooks=hooks,
                              clients=lambda: self.clients.state_dict("client/"),
-                             extra=lambda: {"client_state_bytes": self.clients.nbytes(),
-                                            "peak_rss_bytes": peak_rss_bytes()})
+                             extra=self._summary_extra)
         return RunResult(summary, self.metrics, self.out_dir, list(self.client_acc))
 
     def metric_columns(self) -> list[str]:
         return metric_columns(self.metrics)
 
     def summary(self) -> dict:
-        return self.rounds.summary(client_state_bytes=self.clients.nbytes(),
-                                   peak_rss_bytes=peak_rss_bytes())
+        return self.rounds.summary(**self._summary_extra())
+
+    def _summary_extra(self) -> dict:
+        """What only the simulation knows: its clients' state and its process's memory."""
+        return {"client_state_bytes": self.clients.nbytes(), "peak_rss_bytes": peak_rss_bytes()}
 
     # -- files ---------------------------------------------------------------------------
     def _write_setup(self) -> None:
