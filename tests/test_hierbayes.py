@@ -11,6 +11,7 @@ from edgepfl.algorithms.hierbayes import (
     PREC,
     VAR,
     Layout,
+    adam_pull,
     edge_update,
     expected_var,
     gamma_block,
@@ -91,6 +92,39 @@ def test_the_implicit_prior_step_is_the_proximal_map():
     stepped = w - lr * grads[0]
     # argmin_u  (u - (w - lr g))^2 / (2 lr) + c/2 (u - anchor)^2
     assert torch.allclose(stepped, (w - lr * g + lr * c * anchor) / (1 + lr * c))
+
+
+def test_the_adam_pull_steps_as_torch_adam_on_the_loss_and_its_pull():
+    """The trainer's plain SGD step at lr with adam_pull's gradient is torch.optim.Adam's
+    step on  f(w) + c/2 ||w - anchor||^2, step for step (moments fresh at the fit's start)."""
+    from edgepfl.algorithms.sgd import sgd_update
+
+    torch.manual_seed(3)
+    d = torch.float64
+    w0, anchor, c, lr = torch.randn(4, 3, dtype=d), torch.randn(4, 3, dtype=d), torch.rand(4, 3, dtype=d) * 5, 0.01
+    ref = w0.clone().requires_grad_(True)
+    opt = torch.optim.Adam([ref], lr=lr)
+    ours, hook = w0.clone(), adam_pull([c], [anchor])
+    for step in range(7):
+        target = torch.randn(4, 3, dtype=d, generator=torch.Generator().manual_seed(step))
+        def loss(w):
+            return ((w - target) ** 4).sum() + 0.5 * (c * (w - anchor) ** 2).sum()
+        opt.zero_grad()
+        loss(ref).backward()
+        opt.step()
+        g = [4 * (ours - target) ** 3]  # f's gradient alone: the hook adds the pull's
+        sgd_update([ours], g, lr, 0.0, 0.0, None, hook)
+        assert torch.allclose(ours, ref.detach(), rtol=1e-9, atol=1e-12), step
+
+
+def test_hierbayes_under_adam_learns_and_refuses_momentum():
+    common = [*HB, "algorithm.optimizer=adam", "train.lr=0.002"]
+    result = Simulation(fast_config(*common), progress=False).run()
+    sgd = Simulation(fast_config(*HB), progress=False).run()
+    assert result.metrics[-1]["acc_mean"] > 0.4  # synthetic's 10 classes: chance is 0.1
+    assert result.metrics[-1]["train_loss"] != sgd.metrics[-1]["train_loss"]
+    with pytest.raises(ConfigError, match="momentum"):
+        Simulation(fast_config(*common, "train.momentum=0.9"), progress=False)
 
 
 def _client_update(prec_value: float):

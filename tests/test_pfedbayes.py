@@ -220,6 +220,42 @@ def test_zeta_zero_trains_the_personal_mean_as_local_training():
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
 
 
+def test_the_test_time_fit_without_kl_is_local_sgd_from_the_global_mean():
+    """personalize = fit, zeta = 0 and no spread: a client is scored on the global mean after
+    personal_epochs of plain SGD on its training data (its own generator), whatever q_i it
+    keeps, and the fit leaves that kept q_i as it was."""
+    sim = Simulation(fast_config(*PFB, "algorithm.personalize=fit", "algorithm.zeta=0",
+                                 "algorithm.optimizer=sgd", "algorithm.personal_lr=0.05",
+                                 "algorithm.rho_init=-30", "algorithm.mc_samples=1",
+                                 "algorithm.personal_epochs=2", "train.rounds=1"),
+                     progress=False)
+    sim.step()
+    cid, msg = 0, sim.server.eval_message(0)
+    state = {k: v.clone() for k, v in sim.clients.row(cid).items()}
+    fitted = sim.client.predictive(cid, state, msg, sim.train_data[cid])[""][0]
+    for k, v in sim.clients.row(cid).items():
+        assert torch.equal(v, state[k]), k
+    trainer = sim.trainer
+    trainer.load({k: v.clone() for k, v in sim.server.mu.items()})
+    trainer.fit(sim.train_data[cid], 2, sim.cfg.train.batch_size, 0.05,
+                generator(sim.cfg.seed, "personalize", 1, cid))
+    expected = trainer.export()
+    for k in expected:
+        assert torch.allclose(fitted[k], expected[k], atol=1e-6), k
+    assert any(not torch.allclose(fitted[k], state[MU + k]) for k in expected)
+
+
+def test_under_the_test_time_fit_an_unselected_client_is_not_scored_on_its_initial_q():
+    common = [*PFB, "partition.clients=8", "train.participation=0.25", "train.rounds=3"]
+    kept = Simulation(fast_config(*common), progress=False).run()
+    fit = Simulation(fast_config(*common, "algorithm.personalize=fit"), progress=False).run()
+    for a, b in zip(kept.metrics, fit.metrics, strict=True):
+        assert a["bytes_up"] == b["bytes_up"] and a["acc_global_mean"] == b["acc_global_mean"]
+    never = [c for c in range(8) if kept.summary["bytes_up_per_client"][c] == 0]
+    assert never, "a client never selected in 3 rounds of 25%"
+    assert min(fit.client_accuracy[c] for c in never) > max(kept.client_accuracy[c] for c in never)
+
+
 # -- the server ------------------------------------------------------------------------------
 def _replies(server):
     a = {n: v + 1.0 for n, v in server.mu.items()}

@@ -8,23 +8,41 @@
 # reachable for every seed with 100 clients on 20% of the data). Personalized (Eq. 33-34) and global (Algorithm 3)
 # accuracy both come out of every run.
 #
-#   bench/papers/hier_fig3.sh [SEEDS] [KS] [SETTINGS]
-#     defaults: "0", "2 5 10", "mnist:dirichlet mnist:pathological fmnist:dirichlet fmnist:pathological"
+#   bench/papers/hier_fig3.sh [SEEDS] [KS] [SETTINGS] [METHODS]
+#     defaults: "0", "2 5 10", "mnist:dirichlet mnist:pathological fmnist:dirichlet fmnist:pathological",
+#     METHODS "hierbayes hierfavg flat fedavg local hierbayes_cloud pfedbayes"
 #   JOBS=2 runs two at a time; OUT=dir root folder (default runs/hier_fig3)
+#
+# METHODS: hierbayes (personalization through the edge posterior, the default), hierbayes_cloud
+# (the same fit under psi*), hierfavg: once per K; flat (hierbayes on one edge: the two-level
+# model), fedavg, local and pfedbayes: once per setting and seed, K does not apply.
+# pfedbayes is matched to hierbayes: SGD at train.lr for both of its distributions, 2 local
+# epochs a round (hierbayes' k2 x tau), and scored like hierbayes, by a one-epoch fit of every
+# client from the current global distribution (personalize = fit).
 # Collect with: python bench/papers/collect_hier.py OUT/* (one table per setting)
 set -euo pipefail
 seeds=${1:-"0"}
 ks=${2:-"2 5 10"}
 settings=${3:-"mnist:dirichlet mnist:pathological fmnist:dirichlet fmnist:pathological"}
+methods=${4:-"hierbayes hierfavg flat fedavg local hierbayes_cloud pfedbayes"}
 for s in $settings; do
   ds=${s%%:*} scheme=${s#*:}
   for seed in $seeds; do
-    for k in $ks; do
-      echo "${OUT:-runs/hier_fig3}/$ds-$scheme-c100 $seed hierbayes:topology.edges=$k" \
-           "dataset.name=$ds dataset.fraction=0.2 partition.clients=100 partition.scheme=$scheme" \
-           "partition.alpha=0.1 partition.classes_per_client=2 train.participation=0.1" \
-           "train.local_epochs=1 train.rounds=20 eval.every=5 topology.edge_rounds=2" \
-           "topology.assignment=random $( [[ $scheme == dirichlet ]] && echo partition.min_size=5 )"
+    for m in $methods; do
+      case $m in
+        hierbayes|hierfavg) specs=$(for k in $ks; do echo "$m:topology.edges=$k"; done) ;;
+        hierbayes_cloud) specs=$(for k in $ks; do echo "hierbayes:topology.edges=$k,personalize=cloud"; done) ;;
+        flat) specs="hierbayes:topology.edges=1" ;;
+        pfedbayes) specs="pfedbayes:optimizer=sgd,personal_lr=0.01,global_lr=0.01,train.local_epochs=2,personalize=fit" ;;
+        *) specs=$m ;;
+      esac
+      for spec in $specs; do
+        echo "${OUT:-runs/hier_fig3}/$ds-$scheme-c100 $seed $spec" \
+             "dataset.name=$ds dataset.fraction=0.2 partition.clients=100 partition.scheme=$scheme" \
+             "partition.alpha=0.1 partition.classes_per_client=2 train.participation=0.1" \
+             "train.local_epochs=1 train.rounds=20 eval.every=5 topology.edge_rounds=2" \
+             "topology.assignment=random $( [[ $scheme == dirichlet ]] && echo partition.min_size=5 )"
+      done
     done
   done
 done | xargs -P "${JOBS:-1}" -L 1 bash "$(dirname "$0")/../grid/run_one.sh"

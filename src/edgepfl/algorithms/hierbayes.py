@@ -115,6 +115,11 @@ class HierBayesHyperparameters(Hyperparameters):
         "q(psi) = N(m_0, v_0) (the Bayesian model average of psi*); edge, a new edge's model "
         "phi ~ N(m_0, v_0 + E[sigma_e^2]) (Eq. 30); client, a new client's theta, adding "
         "E[sigma_c^2] (Algorithm 3's sampling line)")
+    optimizer: Literal["sgd", "adam"] = Field(
+        "sgd", description="how clients fit m_i (and the test-time fit): sgd, train.lr with "
+        "the pull stepped implicitly (the paper's gradient steps); adam, torch Adam at train.lr "
+        "on the mean loss plus the explicit pull, moments fresh each fit (pFedBayes' optimizer, "
+        "for a comparison under one optimizer; train.momentum must be 0)")
     personal_epochs: int = Field(1, ge=1, description="epochs of the test-time fit (part of "
                                  "the evaluation protocol, like the test itself: not round work)")
     staleness_exponent: float = Field(
@@ -303,6 +308,39 @@ def proximal_pull(lr: float, coef: list[torch.Tensor], anchor: list[torch.Tensor
     return hook
 
 
+def adam_pull(coef: list[torch.Tensor], anchor: list[torch.Tensor],
+              betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+    """Gradient hook for  mean loss + sum coef/2 (w - anchor)^2  under Adam: the pull's
+    gradient added explicitly, then the gradient replaced by Adam's bias-corrected direction
+    m_hat / (sqrt(v_hat) + eps), which the trainer's plain SGD step at lr (no momentum) turns
+    into torch.optim.Adam's step. Its moments live in the hook: one hook, one fit."""
+    b1, b2 = betas
+    moments: dict[str, list[torch.Tensor]] = {}
+    count = [0]
+
+    def hook(params, grads):
+        diffs = torch._foreach_sub(list(params), anchor)
+        torch._foreach_mul_(diffs, coef)
+        torch._foreach_add_(grads, diffs)
+        if not moments:
+            moments["m"] = [torch.zeros_like(g) for g in grads]
+            moments["v"] = [torch.zeros_like(g) for g in grads]
+        count[0] += 1
+        t = count[0]
+        m, v = moments["m"], moments["v"]
+        torch._foreach_lerp_(m, list(grads), 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, (1 - b2 ** t) ** 0.5)
+        torch._foreach_add_(denom, eps)
+        step = torch._foreach_div(m, denom)
+        torch._foreach_div_(step, 1 - b1 ** t)
+        for g, d in zip(grads, step, strict=True):
+            g.copy_(d)
+    return hook
+
+
 def _split(msg: Message, prefix: str) -> State:
     return {k[len(prefix):]: v for k, v in msg.tensors.items() if k.startswith(prefix)}
 
@@ -337,6 +375,10 @@ class HierBayesCloud(_Level, Server):
             raise ConfigError(f"hierbayes puts a Gaussian on every weight; model buffers "
                               f"{list(ctx.layers.buffers)} (BatchNorm) have no place in it: "
                               "choose a model without BatchNorm")
+        if hp.optimizer == "adam" and ctx.train.momentum:
+            raise ConfigError(f"hierbayes with algorithm.optimizer = 'adam' keeps Adam's own "
+                              f"moments; train.momentum = {ctx.train.momentum} would add a "
+                              "second: set train.momentum to 0, or algorithm.optimizer = 'sgd'")
         self._setup()
         self.m0, self.v0, self.a_e, self.b_e = self._prior()
         self.var_c = self.v0.clone()
@@ -503,15 +545,18 @@ class HierBayesClient(Client):
         t = self.ctx.train
         self.trainer.load(start)
         place = self.trainer.place
-        pull = proximal_pull(t.lr, place([(prec[k] / n).contiguous() for k in self.names]),
-                             place([anchor[k] for k in self.names]))
+        coef = place([(prec[k] / n).contiguous() for k in self.names])
+        anchors = place([anchor[k] for k in self.names])
+        adam = self.hp.optimizer == "adam"
+        pull = adam_pull(coef, anchors) if adam else proximal_pull(t.lr, coef, anchors)
         hook = pull
         if curvature is not None:
             def hook(params, grads):
                 # kept where the step runs: one copy to the host after the fit, not one a step
                 curvature.append(torch.stack(torch._foreach_norm(grads)).double() ** 2)
                 pull(params, grads)
-        stats = self.trainer.fit(data, epochs, t.batch_size, t.lr, gen, momentum=t.momentum,
+        stats = self.trainer.fit(data, epochs, t.batch_size, t.lr, gen,
+                                 momentum=0.0 if adam else t.momentum,
                                  weight_decay=t.weight_decay, grad_hook=hook)
         return self.trainer.export(), stats
 

@@ -94,6 +94,14 @@ class PFedBayesHyperparameters(Hyperparameters):
         "or explicit (a plain gradient step)")
     mc_samples: int = Field(4, ge=1, description="Monte Carlo draws of each predictive "
                             "(personal and global) at evaluation")
+    personalize: Literal["kept", "fit"] = Field(
+        "kept", description="what a client is scored on: kept, the personal q_i it keeps "
+        "between rounds (the paper's; a client never selected keeps its initial q_i); fit, a "
+        "q_i fitted at test time from the current global distribution for personal_epochs on "
+        "the client's training data, the global fixed (hierbayes' protocol: every client "
+        "scored the same way, selected lately or not)")
+    personal_epochs: int = Field(1, ge=1, description="epochs of the test-time fit under "
+                                 "personalize = fit (part of the evaluation protocol)")
 
 
 # -- the closed-form pieces (elementwise on flat tensors) ---------------------------------
@@ -309,6 +317,26 @@ class PFedBayesClient(Client):
         g_rho *= dsigma / k
         return g_mu, g_rho, loss_sum / k
 
+    def _optimizers(self) -> dict[str, SGD | Adam]:
+        hp = self.hp
+        return {name: (Adam(lr) if hp.optimizer == "adam" else SGD(lr))
+                for name, lr in (("mu_i", hp.personal_lr), ("rho_i", hp.personal_lr),
+                                 ("mu_g", hp.global_lr), ("rho_g", hp.global_lr))}
+
+    def _personal_step(self, opt: dict[str, SGD | Adam], mu_i: torch.Tensor,
+                       rho_i: torch.Tensor, mu_g: torch.Tensor, rho_g: torch.Tensor,
+                       coef: float, xb: torch.Tensor, yb: torch.Tensor,
+                       noise: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One step of q_i = (mu_i, rho_i) on Omega_i under the global (mu_g, rho_g)."""
+        hp, t = self.hp, self.ctx.train
+        g_mu, g_rho, loss = self._data_grads(mu_i, rho_i, xb, yb, noise)
+        if t.weight_decay:
+            g_mu = g_mu + t.weight_decay * mu_i
+        g_mu, g_rho = personal_grads(mu_i, rho_i, g_mu, g_rho, mu_g, rho_g, coef)
+        implicit = hp.optimizer == "sgd" and hp.pull == "implicit"
+        prec = coef / softplus(rho_g) ** 2 if implicit else None
+        return opt["mu_i"].step(mu_i, g_mu, prec), opt["rho_i"].step(rho_i, g_rho), loss
+
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         hp, t = self.hp, self.ctx.train
@@ -316,9 +344,7 @@ class PFedBayesClient(Client):
         mu_i, rho_i = self._distribution(state, "client state")
         mu_g, rho_g, mu_i, rho_i = self.trainer.place([mu_g, rho_g, mu_i, rho_i])
         coef = hp.zeta / max(data.n, 1)
-        opt = {name: (Adam(lr) if hp.optimizer == "adam" else SGD(lr))
-               for name, lr in (("mu_i", hp.personal_lr), ("rho_i", hp.personal_lr),
-                                ("mu_g", hp.global_lr), ("rho_g", hp.global_lr))}
+        opt = self._optimizers()
         implicit = hp.optimizer == "sgd" and hp.pull == "implicit"
         # the draws come from their own stream, seeded from the client's generator without
         # consuming it: the mini-batch order is then exactly that of local training
@@ -330,13 +356,8 @@ class PFedBayesClient(Client):
             for xb, yb in data.batches(t.batch_size, gen):
                 xb, yb = self.trainer.layout(xb), to_device(yb, self.trainer.device)
                 for _ in range(hp.personal_steps):
-                    g_mu, g_rho, loss = self._data_grads(mu_i, rho_i, xb, yb, noise)
-                    if t.weight_decay:
-                        g_mu = g_mu + t.weight_decay * mu_i
-                    g_mu, g_rho = personal_grads(mu_i, rho_i, g_mu, g_rho, mu_g, rho_g, coef)
-                    prec = coef / softplus(rho_g) ** 2 if implicit else None
-                    mu_i = opt["mu_i"].step(mu_i, g_mu, prec)
-                    rho_i = opt["rho_i"].step(rho_i, g_rho)
+                    mu_i, rho_i, loss = self._personal_step(opt, mu_i, rho_i, mu_g, rho_g, coef,
+                                                            xb, yb, noise)
                     steps += 1
                 g_mu, g_rho = global_grads(mu_g, rho_g, mu_i, rho_i, coef)
                 prec = coef / softplus(rho_g) ** 2 if implicit else None
@@ -353,6 +374,28 @@ class PFedBayesClient(Client):
                  "samples": float(seen)}
         return UpdateResult(reply, state, stats)
 
+    def _test_time_fit(self, cid: int, rnd: int, mu_g: torch.Tensor, rho_g: torch.Tensor,
+                       data: ClientData) -> tuple[torch.Tensor, torch.Tensor]:
+        """personalize = fit: q_i from the global distribution, personal_epochs of personal
+        steps on the client's training data under that global, which stays fixed."""
+        hp, t = self.hp, self.ctx.train
+        mu_g, rho_g = self.trainer.place([mu_g, rho_g])
+        mu_i, rho_i = mu_g.clone(), rho_g.clone()
+        coef = hp.zeta / max(data.n, 1)
+        opt = self._optimizers()
+        gen = generator(self.ctx.seed, "personalize", rnd, cid)
+        noise = generator(self.ctx.seed, "personalize-noise", rnd, cid)
+        self.trainer.forget()
+        self.trainer.model.train()
+        for _ in range(hp.personal_epochs):
+            for xb, yb in data.batches(t.batch_size, gen):
+                xb, yb = self.trainer.layout(xb), to_device(yb, self.trainer.device)
+                for _ in range(hp.personal_steps):
+                    mu_i, rho_i, _ = self._personal_step(opt, mu_i, rho_i, mu_g, rho_g, coef,
+                                                         xb, yb, noise)
+        self.trainer.forget()
+        return host(mu_i), host(rho_i)
+
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         """The personal distribution's mean."""
         return {k: state[MU + k] for k in self.names}
@@ -361,9 +404,12 @@ class PFedBayesClient(Client):
                    data: ClientData) -> dict[str, list[State]]:
         rnd = eval_msg.meta.get("round", 0) if eval_msg is not None else 0
         mu_i, rho_i = self._distribution(state, "client state")
-        out = {"": self._draws(mu_i, rho_i, generator(self.ctx.seed, "mc", rnd))}
         if eval_msg is not None:
             mu, rho = self._distribution(eval_msg.tensors, "evaluation message")
+            if self.hp.personalize == "fit" and rnd > 0:
+                mu_i, rho_i = self._test_time_fit(cid, rnd, mu, rho, data)
+        out = {"": self._draws(mu_i, rho_i, generator(self.ctx.seed, "mc", rnd))}
+        if eval_msg is not None:
             # one global predictive for every client: the same draws everywhere
             out["global"] = self._draws(mu, rho, generator(self.ctx.seed, "mc-global", rnd))
         return out
