@@ -6,7 +6,8 @@
 # rounds, 20% of MNIST / Fashion-MNIST, non-IID by pathological shards (2 classes per
 # client) and by Dirichlet 0.1 (at least 5 training samples per client: 10 is not
 # reachable for every seed with 100 clients on 20% of the data). Personalized (Eq. 33-34) and global (Algorithm 3)
-# accuracy both come out of every run.
+# accuracy both come out of every run. Links and devices: Wen et al.'s Table 2 (system.profile =
+# wen_table2, read with the band noise), for the simulated time.
 #
 #   bench/papers/hier_fig3.sh [SEEDS] [KS] [SETTINGS] [METHODS]
 #     defaults: "0", "2 5 10", "mnist:dirichlet mnist:pathological fmnist:dirichlet fmnist:pathological",
@@ -19,6 +20,8 @@
 # pfedbayes is matched to hierbayes: SGD at train.lr for both of its distributions, 2 local
 # epochs a round (hierbayes' k2 x tau), and scored like hierbayes, by a one-epoch fit of every
 # client from the current global distribution (personalize = fit).
+# hierbayes_adam and pfedbayes_adam: the same pair both under Adam at 0.001 (pfedbayes' own
+# optimizer and rate; hierbayes per K).
 # Collect with: python bench/papers/collect_hier.py OUT/* (one table per setting)
 set -euo pipefail
 seeds=${1:-"0"}
@@ -27,6 +30,8 @@ settings=${3:-"mnist:dirichlet mnist:pathological fmnist:dirichlet fmnist:pathol
 methods=${4:-"hierbayes hierfavg flat fedavg local hierbayes_cloud pfedbayes"}
 for s in $settings; do
   ds=${s%%:*} scheme=${s#*:}
+  # (no trailing blank on a line: xargs -L would join it with the next)
+  extra=$( [[ $scheme == dirichlet ]] && echo " partition.min_size=5" || true )
   for seed in $seeds; do
     for m in $methods; do
       case $m in
@@ -34,6 +39,8 @@ for s in $settings; do
         hierbayes_cloud) specs=$(for k in $ks; do echo "hierbayes:topology.edges=$k,personalize=cloud"; done) ;;
         flat) specs="hierbayes:topology.edges=1" ;;
         pfedbayes) specs="pfedbayes:optimizer=sgd,personal_lr=0.01,global_lr=0.01,train.local_epochs=2,personalize=fit" ;;
+        hierbayes_adam) specs=$(for k in $ks; do echo "hierbayes:topology.edges=$k,optimizer=adam,train.lr=0.001"; done) ;;
+        pfedbayes_adam) specs="pfedbayes:train.local_epochs=2,personalize=fit" ;;
         *) specs=$m ;;
       esac
       for spec in $specs; do
@@ -41,7 +48,7 @@ for s in $settings; do
              "dataset.name=$ds dataset.fraction=0.2 partition.clients=100 partition.scheme=$scheme" \
              "partition.alpha=0.1 partition.classes_per_client=2 train.participation=0.1" \
              "train.local_epochs=1 train.rounds=20 eval.every=5 topology.edge_rounds=2" \
-             "topology.assignment=random $( [[ $scheme == dirichlet ]] && echo partition.min_size=5 )"
+             "topology.assignment=random system.profile=wen_table2$extra"
       done
     done
   done
