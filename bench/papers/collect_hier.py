@@ -36,7 +36,14 @@ def label(run_name: str) -> str:
     name = run_name.replace("+topology.edges=2+topology.edge_rounds=2", " (2 edges, k2=2)")
     name = name.replace("+topology.edges=1+topology.edge_rounds=2", " flat (1 edge, k2=2)")
     name = re.sub(r"\+topology\.edges=(\d+)", r" (K = \1 edges)", name)
-    return name.replace("+topology.mode=async", " async (extension beyond the paper)")
+    name = name.replace("+topology.mode=async", " async (extension beyond the paper)")
+    name = name.replace("+personalize=cloud", ", fit under psi*")
+    name = name.replace("+optimizer=adam+train.lr=0.001", ", Adam 0.001")
+    name = name.replace("pfedbayes+optimizer=sgd+personal_lr=0.01+global_lr=0.01+train.local_epochs=2"
+                        "+personalize=fit", "pfedbayes matched (SGD 0.01, 2 epochs, test-time fit)")
+    name = name.replace("pfedbayes+train.local_epochs=2+personalize=fit",
+                        "pfedbayes matched, Adam 0.001 (2 epochs, test-time fit)")
+    return re.sub(r"^hierbayes$", "hierbayes (1 edge)", name)
 
 
 def order(run_name: str) -> tuple:
@@ -49,9 +56,9 @@ def main(roots: list[Path]) -> None:
     grids = finished_runs(roots)
     many = len(grids) > 1  # bench/papers/hier_fig3.sh: one grid per data set and split
     print("| " + ("setting | " if many else "") + "method | seeds | best acc | final acc | "
-          "final std | global best | global final | psi* final | MB client links | "
-          "MB edge-cloud | s per round | s total |")
-    print("|" + "---|" * (13 if many else 12))
+          "final std | final worst | global best | global final | psi* best | psi* final | "
+          "MB client links | MB edge-cloud | s per round | s total |")
+    print("|" + "---|" * (15 if many else 14))
     for grid, runs in grids.items():
         for name in sorted(runs, key=order):
             folders = runs[name]
@@ -64,8 +71,9 @@ def main(roots: list[Path]) -> None:
             edge_mb = [(x["bytes_up_edge_total"] + x["bytes_down_edge_total"]) / 1e6 for x in s]
             per_round = [x["t_round_total"] / x["rounds"] for x in s]
             print(f"| {grid + ' | ' if many else ''}{label(name)} | {len(s)} | {col('acc_mean_best')} | {col('acc_mean_final')} | "
-                  f"{col('acc_std_final')} | {col('acc_global_mean_best')} | "
-                  f"{col('acc_global_mean_final')} | {col('acc_psi_mean_final')} | "
+                  f"{col('acc_std_final')} | {col('acc_min_final')} | {col('acc_global_mean_best')} | "
+                  f"{col('acc_global_mean_final')} | {col('acc_psi_mean_best')} | "
+                  f"{col('acc_psi_mean_final')} | "
                   f"{pm(client_mb, 1, 1)} | {pm(edge_mb, 1, 1)} | {pm(per_round, 1, 1)} | "
                   f"{pm([x['t_round_total'] for x in s], 1, 0)} |")
     print()
