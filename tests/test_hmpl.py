@@ -677,3 +677,51 @@ def test_in_a_run_the_tiers_follow_device_compute_not_a_slow_link():
     by_round = ranked("round", fastest)
     assert by_round.tiers[fastest] == "com"
     assert all(r > c for r, c in zip(by_round.times, plain.times, strict=True))
+
+
+# -- a Com client's aligner refitted every round (algorithm.com_align) ----------------------
+def test_com_align_fit_refits_ip_align_to_the_servers_conv3_before_each_com_round(monkeypatch):
+    from edgepfl.algorithms import hmpl as hmpl_module
+    from edgepfl.algorithms.trainer import Trainer
+    from edgepfl.models.hmpl import fitted_align
+
+    sim = _sim(*HMPL, "algorithm.com_align=fit")
+    server, client, gen = sim.server, sim.client, torch.Generator()
+    loaded = []  # ip_align as training starts, then SGD skipped
+    monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: (
+        loaded.append(self.export(["ip_align.weight", "ip_align.bias"])), {"loss": 0.0})[1])
+    down = _told(server, COM, [0])
+    first = client.update(0, down[0], client.init_state(0, {}), sim.train_data[0], gen)
+    server.aggregate(2, {0: first.reply})
+    # the server's conv3 moves on (here: by hand); under fit it still goes to the Com client
+    server.shared["conv3.weight"] = server.shared["conv3.weight"] * 1.5 + 0.01
+    after = server.configure(3, [0])
+    assert "conv3.weight" in after[0].tensors and server.aligned[0]
+    second = client.update(0, after[0], first.state, sim.train_data[0], gen)
+    ordinary = {**after[0].tensors}
+    images = hmpl_module.align_batches(sim.train_data[0], 64)
+    expected = fitted_align(ordinary, images)
+    for n, v in expected.items():
+        torch.testing.assert_close(loaded[1][n], v)
+        assert torch.equal(second.state[n], loaded[1][n])  # kept as trained, never sent
+    assert not torch.equal(loaded[0]["ip_align.weight"], loaded[1]["ip_align.weight"])
+    assert set(second.reply.tensors) == set(server.model_for(COM))
+    # a Com message without conv3 is refused under fit, also once shrunk
+    without = Message({n: t for n, t in after[0].tensors.items() if not n.startswith("conv3")},
+                      after[0].meta)
+    with pytest.raises(MessageError, match="com_align = 'fit'"):
+        client.update(0, without, first.state, sim.train_data[0], gen)
+    # kept (the default): conv3 stops once the Com reply is in, and the aligner is the client's
+    kept = _sim(*HMPL)
+    down = _told(kept.server, COM, [0])
+    done = kept.client.update(0, down[0], kept.client.init_state(0, {}), _empty(kept.train_data[0]), gen)
+    kept.server.aggregate(2, {0: done.reply})
+    assert "conv3.weight" not in kept.server.configure(3, [0])[0].tensors
+
+
+def test_a_run_from_before_com_align_existed_is_read_as_kept():
+    from edgepfl.engine.rundir import comparable
+
+    stored = resolve(fast_config(*HMPL)).model_dump()
+    del stored["algorithm"]["com_align"]
+    assert comparable(stored)["algorithm"]["com_align"] == "kept"

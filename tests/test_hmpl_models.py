@@ -9,9 +9,11 @@ from edgepfl.models.hmpl import (
     BS_LAYERS,
     SPP,
     SUP_MAX_DEPTH,
+    HMPLOrd,
     HMPLSup,
     grow_sup,
     layer_role,
+    preserving_start,
     spp,
     sup_model_name,
     upsample_to,
@@ -241,3 +243,34 @@ def test_the_tier_models_stage_stays_in_host_memory_when_the_module_moves():
     model.stage.fill_(-1)
     assert model.tier() is model._tiers[-1]
     assert model(torch.empty(2, 1, 28, 28, device="meta")).shape == (2, 10)
+
+
+def test_fitted_align_is_the_least_squares_1x1_convolution_nearest_conv3_on_the_images():
+    from edgepfl.models.hmpl import fitted_align
+
+    torch.manual_seed(0)
+    ordinary = {n: p.detach() for n, p in HMPLOrd(1, 10).named_parameters()}
+    x = torch.rand(16, 1, 28, 28)
+    with torch.no_grad():
+        h = x
+        for i in (1, 2):  # L2, as the Ord model computes it
+            h = torch.nn.functional.conv2d(h, ordinary[f"conv{i}.weight"],
+                                           ordinary[f"conv{i}.bias"], padding=1)
+            h = torch.nn.functional.max_pool2d(torch.relu(h), 2, ceil_mode=True)
+        target = torch.nn.functional.conv2d(h, ordinary["conv3.weight"], ordinary["conv3.bias"],
+                                            padding=1)
+
+        def error(start):
+            out = torch.nn.functional.conv2d(h, start["ip_align.weight"], start["ip_align.bias"])
+            return float(((out - target) ** 2).mean())
+
+        fit = fitted_align(ordinary, [x[:8], x[8:]])  # batches add up to one fit
+        assert fit["ip_align.weight"].shape == (256, 128, 1, 1)
+        torch.testing.assert_close(fit["ip_align.weight"], fitted_align(ordinary, [x])["ip_align.weight"])
+        assert error(fit) < error(preserving_start("ip_align", ordinary)) / 2
+        # where conv3 is a 1x1 convolution (centre taps only), the fit computes conv3 itself
+        centre = torch.zeros_like(ordinary["conv3.weight"])
+        centre[:, :, 1, 1] = ordinary["conv3.weight"][:, :, 1, 1]
+        target = torch.nn.functional.conv2d(h, centre, ordinary["conv3.bias"], padding=1)
+        exact = fitted_align({**ordinary, "conv3.weight": centre}, [x], ridge=1e-9)
+        assert error(exact) < 1e-8 * float((target ** 2).mean())

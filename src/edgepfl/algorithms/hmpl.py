@@ -62,12 +62,13 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.kit import num_samples
 from edgepfl.algorithms.trainer import Trainer
+from edgepfl.data.aspect import shape_groups
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_entries, check_message
 from edgepfl.federation.rng import derive_seed
 from edgepfl.io import read_json, write_json
-from edgepfl.models.hmpl import SUP_MAX_DEPTH, layer_role, preserving_start
+from edgepfl.models.hmpl import SUP_MAX_DEPTH, fitted_align, layer_role, preserving_start
 from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, check_stage, stage_model
 from edgepfl.models.memory import training_step_bytes
 from edgepfl.models.zoo import MODELS
@@ -88,8 +89,17 @@ BYTE_COLUMNS = tuple(f"bytes_{d}_{t}" for d in ("up", "down") for t in TIER_NAME
 # mean round time (s) and mean counted local-training FLOPs
 COST_COLUMNS = tuple(f"{k}_{t}" for t in TIER_NAMES for k in ("trained", "time", "flops"))
 UNION = "hmpl_tiers"  # the model hmpl runs on
-# what a Com model's aligner is derived from under generation = "preserve"
+# what a Com model's aligner is derived from under generation = "preserve" (and fitted to
+# under com_align = "fit")
 ALIGN_SOURCE = ("conv3.weight", "conv3.bias")
+
+
+def align_batches(data: ClientData, count: int) -> list[torch.Tensor]:
+    """The client's first ``count`` training images, one batch per input shape."""
+    pos = torch.arange(min(count, data.n))
+    if data.boxes is None:
+        return [data.select(pos)[0]]
+    return [data.select(pos[group])[0] for group in shape_groups(data.boxes[pos])]
 
 
 def tier_name(stage: int) -> str:
@@ -108,7 +118,7 @@ FIRST_ROUND = Field(
 class HMPLHyperparameters(Hyperparameters):
     # what runs stored before each setting existed did
     before: ClassVar[dict[str, Any]] = {"first_round": "sampled", "generation": "random",
-                                        "rank_by": "round"}
+                                        "rank_by": "round", "com_align": "kept"}
     first_round: Literal["all", "sampled"] = FIRST_ROUND
     generation: Literal["preserve", "shared", "random"] = Field(
         "preserve", description="how the layers a tier adds to the Ord model start (Com's "
@@ -118,6 +128,17 @@ class HMPLHyperparameters(Hyperparameters):
         "same for every client of a tier (Sec. III-D: 'all the personal models are generated "
         "by an original model'); shared = one random draw per tier, seeded without the "
         "client; random = a draw per client (runs before this setting)")
+    com_align: Literal["kept", "fit"] = Field(
+        "kept", description="a Com client's ip_align after its generation: kept = its own, "
+        "trained only on its own rounds while the shared layers around it move on; fit = "
+        "at the start of each of its rounds, refitted by least squares on align_images of "
+        "its images so that it gives the server's current conv3 (sent with the Com model, "
+        "about 1.2 MB) as nearly as a 1x1 convolution can, then trained as before (still "
+        "never sent); Sec. III-C1: the layer 'aligns' Com's map to the one the shared FC "
+        "layers read")
+    align_images: int = Field(
+        64, ge=1, description="com_align = fit: how many of the client's training images "
+        "(the first, in its own order) the aligner is fitted on")
     rank_by: Literal["compute", "round"] = Field(
         "compute", description="the time that ranks the clients into tiers and decides Sup "
         "growth: compute = the device's local training time of the round (simulation: the "
@@ -292,6 +313,8 @@ class HMPLServer(Server):
         # a Com client whose reply on the Com model has arrived: it holds its aligner, so
         # conv3 (what the aligner is derived from) no longer goes with its model
         self.aligned = [False] * n
+        # com_align = fit: every Com round carries conv3, what the aligner is fitted to
+        self.refit = not self.reduced and hp.com_align == "fit"
         # None: not ranked yet (the client trains the Ord model)
         self.tiers: list[str | None] = ["ord" if self.reduced else None] * n
         self.depths = [0] * n  # a Sup client's depth: the one it is told next
@@ -331,7 +354,7 @@ class HMPLServer(Server):
             stage = self.stage_of(cid)
             # resent until a reply on the Com model arrives: a client whose reply was lost
             # may not have shrunk yet
-            generating = self.preserve and stage == COM and not self.aligned[cid]
+            generating = stage == COM and (self.refit or (self.preserve and not self.aligned[cid]))
             if (stage, generating) not in by_stage:
                 tensors = self.model_for(stage)
                 if generating:
@@ -628,13 +651,18 @@ class HMPLClient(Client):
         shared = shared_names(target, self.dims)
         expected = {n: trainer.params[n] for n in shared}
         source = {}
-        if target == COM and not self.reduced and self.hp.generation == "preserve":
+        refit = target == COM and not self.reduced and self.hp.com_align == "fit"
+        if target == COM and not self.reduced and (self.hp.generation == "preserve" or refit):
             # the Ord model's conv3, sent until the server has a reply on the Com model:
             # needed when shrinking, ignored once shrunk
             ordinary = tier_params(ORD, self.dims)
             source = {n: msg.tensors[n] for n in ALIGN_SOURCE if n in msg.tensors}
             check_entries("hmpl: the server's conv3", source,
                           {n: ordinary[n] for n in ALIGN_SOURCE}, unknown=False)
+            if refit and len(source) < len(ALIGN_SOURCE):
+                raise MessageError(f"hmpl: a Com client under algorithm.com_align = 'fit' "
+                                   f"fits ip_align to the Ord model's {list(ALIGN_SOURCE)} "
+                                   f"every round; the server sent {sorted(source) or 'neither'}")
             if current != COM and len(source) < len(ALIGN_SOURCE):
                 raise MessageError(f"hmpl: a client shrinking to the Com model under "
                                    f"algorithm.generation = 'preserve' derives ip_align from "
@@ -648,6 +676,8 @@ class HMPLClient(Client):
         model.update({n: state[n] for n in own if n in state})
         for layer in dict.fromkeys(n.rsplit(".", 1)[0] for n in own if n not in model):
             model.update(self.new_layer(target, layer, cid, source))
+        if refit and data.n > 0:
+            model.update(fitted_align({**model, **source}, align_batches(data, self.hp.align_images)))
         trainer.load(model)
         t = self.ctx.train
         stats = trainer.fit(data, t.local_epochs, t.batch_size, t.lr, gen,

@@ -279,6 +279,41 @@ def preserving_start(layer: str, ordinary: Mapping[str, torch.Tensor]) -> dict[s
                    f"{', '.join(ADDED_LAYERS)}")
 
 
+def fitted_align(ordinary: Mapping[str, torch.Tensor], images: list[torch.Tensor],
+                 ridge: float = 1e-4) -> dict[str, torch.Tensor]:
+    """``ip_align`` fitted on ``images`` (batches of one shape each) to the Ord model in
+    ``ordinary``: the 1x1 convolution of L2 (conv1 and conv2 as in the Ord model) whose
+    output is nearest, in least squares over every pixel of L2, to conv3's output before
+    its ReLU. Without data, ``preserving_start`` can only assume conv3's window sees one
+    value per channel; on images the fit is the nearest a 1x1 convolution comes to conv3
+    there. ``ridge`` is a share of the mean diagonal of the normal equations added to it, so
+    that a channel dead on these images gets a zero weight rather than a singular system."""
+    weight, bias = ordinary["conv3.weight"], ordinary["conv3.bias"]
+    if weight.shape != (CHANNELS[2], CHANNELS[1], 3, 3):
+        raise ValueError(f"conv3.weight {tuple(weight.shape)} is not the Ord model's "
+                         f"{(CHANNELS[2], CHANNELS[1], 3, 3)}")
+    inputs = CHANNELS[1] + 1  # conv2's channels and a constant for the bias
+    gram = torch.zeros(inputs, inputs, dtype=torch.float64)
+    cross = torch.zeros(inputs, CHANNELS[2], dtype=torch.float64)
+    with torch.no_grad():
+        for x in images:
+            h = x
+            for i in (1, 2):
+                h = F.conv2d(h, ordinary[f"conv{i}.weight"], ordinary[f"conv{i}.bias"], padding=1)
+                h = F.max_pool2d(torch.relu(h), 2, ceil_mode=True)
+            target = F.conv2d(h, weight, bias, padding=1)
+            rows = h.permute(0, 2, 3, 1).reshape(-1, CHANNELS[1]).double()
+            rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=torch.float64)], 1)
+            gram += rows.T @ rows
+            cross += rows.T @ target.permute(0, 2, 3, 1).reshape(-1, CHANNELS[2]).double()
+    if gram[-1, -1] == 0:
+        raise ValueError("fitted_align: no image to fit ip_align on")
+    gram += ridge * float(gram.diagonal().mean()) * torch.eye(inputs, dtype=torch.float64)
+    solution = torch.linalg.solve(gram, cross).to(weight.dtype)  # [129, 256]
+    return {"ip_align.weight": solution[:-1].T.reshape(CHANNELS[2], CHANNELS[1], 1, 1).contiguous(),
+            "ip_align.bias": solution[-1].contiguous()}
+
+
 class CNN2SPP(nn.Module):
     """cnn2's convolutions (two 5x5, 32 and 64 channels, each with 2x2 max pooling) and SPP
     before its FC 512, 128, classifier: the baseline Sec. IV-D builds by "adding the SPP
