@@ -2,7 +2,9 @@
 
 Some algorithms predict either with the shared model or with each client's own, locally
 trained one (``algorithm.evaluate``: global / local for FedAvg, FedProx and MOON, local /
-aggregate for pFedLA). The choice changes nothing in training, and the clients' and
+aggregate for pFedLA); hierbayes and pfedbayes fit and sample at test time
+(``personalize``, ``personal_epochs``, ``mc_samples``, hierbayes' ``global_level``). The
+choice changes nothing in training, and the clients' and
 server's state at the last round is in the run's checkpoint, so the other protocol's
 figure for the last round can be had without training again. Best-over-rounds figures
 cannot: they would need the state of every round.
@@ -23,7 +25,10 @@ from edgepfl.config import build_config
 from edgepfl.engine.simulation import CHECKPOINT, Simulation
 from edgepfl.io import read_tensors
 
-EVALUATION_ONLY = {"algorithm.evaluate"}
+# settings read only when a client is scored: hierbayes' and pfedbayes' test-time fits
+# and Monte Carlo draws are evaluation, not training
+EVALUATION_ONLY = {"algorithm.evaluate", "algorithm.personalize", "algorithm.personal_epochs",
+                   "algorithm.mc_samples", "algorithm.global_level"}
 
 
 def main() -> int:
@@ -51,8 +56,9 @@ def main() -> int:
                      f"with ({exc}); the run kept no such state (FedAvg keeps local models "
                      "only when run with evaluate=local)")
     last = meta["metrics"][-1]
-    keys = ["acc_mean", "acc_std", "acc_min"]
-    print(json.dumps({"run": str(args.run), "round": meta["round"], "as_run": {k: last[k] for k in keys}}))
+    keys = ["acc_mean", "acc_std", "acc_min", "acc_global_mean", "acc_psi_mean"]
+    print(json.dumps({"run": str(args.run), "round": meta["round"],
+                      "as_run": {k: last[k] for k in keys if k in last}}))
     print(json.dumps({"run": str(args.run), "round": meta["round"], "settings": args.sets,
                       "reevaluated": {k: v for k, v in again.items() if k in keys}}))
     return 0
