@@ -183,6 +183,12 @@ class TrainConfig(_Section):
         "BatchNorm or dropout; others train one after another); weights equal the sequential "
         "run's within float tolerance; pays on a GPU, not on a CPU (bench/speed/README.md); needs "
         "train.workers = 1")
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
+        "off", description="torch.compile a plain local fit's forward, loss and backward as one "
+        "graph in this mode (algorithms whose clients add a loss term, and models with dropout, "
+        "train eagerly); results equal eager within float tolerance; off = eager, the faster on "
+        "a CPU (bench/speed/README.md, 'CPU modes'); the first step of each batch shape pays "
+        "the compile (tens of seconds)")
     store: Literal["memory", "disk"] = Field(
         "memory", description="where per-client state lives (the clients' models and what a "
         "server keeps per client, e.g. KAPC's uploads and relation cube): memory, or disk = "

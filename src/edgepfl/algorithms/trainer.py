@@ -8,22 +8,38 @@ into a single skeleton module before it trains and copied out after.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call, grad_and_value
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from edgepfl.algorithms.batched import BatchedTraining
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.devices import host, to_device
 from edgepfl.algorithms.evaluation import Evaluation
-from edgepfl.algorithms.sgd import FitRequest, GradHook, LossHook, State, fit_stats, sgd_step
+from edgepfl.algorithms.sgd import (
+    FitRequest,
+    GradHook,
+    LossHook,
+    State,
+    fit_stats,
+    sgd_step,
+    sgd_update,
+)
 from edgepfl.federation.accounting import counted_once, counter_aside
 
 
 def _has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+PassesFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor],
+                    tuple[dict[str, torch.Tensor], torch.Tensor]]
 
 
 class Trainer(BatchedTraining, Evaluation):
@@ -39,8 +55,15 @@ class Trainer(BatchedTraining, Evaluation):
     """
 
     def __init__(self, model: nn.Module, eval_batch_size: int = 1024,
-                 channels_last: bool | None = None, device: torch.device | str = "cpu"):
+                 channels_last: bool | None = None, device: torch.device | str = "cpu",
+                 compile: str = "off"):
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile = {compile!r}; valid: {', '.join(COMPILE_MODES)}")
         self.device = torch.device(device)
+        # ``train.compile``: a plain fit's forward, loss and backward as one graph compiled
+        # by torch.compile in this mode (``_passes``); "off" = eager
+        self.compile = compile
+        self._compiled: dict[tuple[str, ...], PassesFn] = {}
         self.channels_last = _has_conv(model) if channels_last is None else channels_last
         model = model.to(self.device)
         if self.channels_last:
@@ -95,6 +118,32 @@ class Trainer(BatchedTraining, Evaluation):
     def forget(self) -> None:
         self._loaded = None
 
+    def _passes(self, names: Sequence[str]) -> PassesFn | None:
+        """``train.compile``'s step for a plain fit of the parameters ``names``: the
+        gradients of the batch's mean cross-entropy and the loss, ``(grads, loss)``, from
+        one graph that torch.compile made of the forward, the loss and the backward. None
+        where the fit runs eagerly: compile off, or a model with dropout (a compiled
+        graph draws other random numbers than eager PyTorch, and results are to be equal).
+        BatchNorm's running statistics are updated in place as eagerly. The update stays
+        eager (``sgd_update``), so gradient hooks, weight decay and momentum are fit's.
+        """
+        if self.compile == "off":
+            return None
+        key = tuple(names)
+        fn = self._compiled.get(key)
+        if fn is None:
+            if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in self.model.modules()):
+                return None
+            model = self.model
+            fixed = {n: p for n, p in self.params.items() if n not in set(names)}
+
+            def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+                return F.cross_entropy(functional_call(model, {**fixed, **params}, (x,)), y)
+
+            fn = torch.compile(grad_and_value(loss), mode=self.compile)
+            self._compiled[key] = fn
+        return fn
+
     # -- training ----------------------------------------------------------------------
     def fit(self, data: ClientData, epochs: int, batch_size: int, lr: float,
             gen: torch.Generator, momentum: float = 0.0, weight_decay: float = 0.0,
@@ -128,22 +177,35 @@ class Trainer(BatchedTraining, Evaluation):
         shared = self._step_flops
         passes, passes_store = (("passes", graded), shared) if loss_hook is None else (object(), None)
         update, update_store = (("update", graded), shared) if grad_hook is None else (object(), None)
+        compiled = self._passes(names) if loss_hook is None else None
         try:
             with counter_aside():  # drawing batches counts no FLOPs: no dispatch through it
                 for _ in range(epochs):
                     for xb, yb in data.batches(batch_size, gen):
+                        grads = None
                         with counted_once((passes, tuple(xb.shape)), passes_store):
                             xb, yb = self.layout(xb), to_device(yb, self.device)
-                            logits = model(xb)
-                            loss = F.cross_entropy(logits, yb)
-                            total = (loss if loss_hook is None
-                                     else loss + loss_hook(model, logits, xb, yb))
-                            for p in params:
-                                p.grad = None
-                            total.backward()
+                            # the FLOP counter (a dispatch mode) sees eager operators only
+                            if compiled is not None and _get_current_dispatch_mode() is None:
+                                grads, loss = compiled(
+                                    {n: p.detach() for n, p in zip(names, params, strict=True)},
+                                    xb, yb)
+                            else:
+                                logits = model(xb)
+                                loss = F.cross_entropy(logits, yb)
+                                total = (loss if loss_hook is None
+                                         else loss + loss_hook(model, logits, xb, yb))
+                                for p in params:
+                                    p.grad = None
+                                total.backward()
                             loss_sum += loss.detach() * yb.numel()
                         with counted_once((update, bufs is None), update_store):
-                            bufs = sgd_step(params, lr, momentum, weight_decay, bufs, grad_hook)
+                            if grads is None:
+                                bufs = sgd_step(params, lr, momentum, weight_decay, bufs,
+                                                grad_hook)
+                            else:
+                                bufs = sgd_update(params, [grads[n] for n in names], lr,
+                                                  momentum, weight_decay, bufs, grad_hook)
                         seen += yb.numel()
                         steps += 1
         finally:
