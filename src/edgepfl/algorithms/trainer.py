@@ -140,7 +140,7 @@ class Trainer(BatchedTraining, Evaluation):
             def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
                 return F.cross_entropy(functional_call(model, {**fixed, **params}, (x,)), y)
 
-            fn = torch.compile(grad_and_value(loss), mode=self.compile)
+            fn = torch.compile(grad_and_value(loss), mode=self.compile, dynamic=False)
             self._compiled[key] = fn
         return fn
 
@@ -186,7 +186,11 @@ class Trainer(BatchedTraining, Evaluation):
                         with counted_once((passes, tuple(xb.shape)), passes_store):
                             xb, yb = self.layout(xb), to_device(yb, self.device)
                             # the FLOP counter (a dispatch mode) sees eager operators only
-                            if compiled is not None and _get_current_dispatch_mode() is None:
+                            # the full batches only: a short last batch runs eagerly
+                            # rather than compiling a graph per size (or one of dynamic
+                            # shape, whose kernels are the slower)
+                            if (compiled is not None and xb.shape[0] == batch_size
+                                    and _get_current_dispatch_mode() is None):
                                 grads, loss = compiled(
                                     {n: p.detach() for n, p in zip(names, params, strict=True)},
                                     xb, yb)
