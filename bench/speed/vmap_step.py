@@ -11,11 +11,18 @@ alternating, and prints the medians and their ratio.
 
     python bench/speed/vmap_step.py [--clients 10] [--steps 20] [--batch 32] [--model cnn2]
                               [--device cpu|cuda] [--threads N] [--repeats 5]
+                              [--channels-last] [--profile]
+
+``--channels-last``: the sequential steps in the layout the engine trains convolutional
+models in (vmap's batched convolutions take NCHW). ``--profile`` (CPU): every operator of
+one vmapped step and of one sequential client step, in the thread's CPU time
+(``step_profile.OpTimer``), to see what the batched step is made of.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -64,6 +71,28 @@ def batched(model, weights, xs, ys, lr):
     return [{n: stacked[n][k].clone() for n in names} for k in range(len(weights))]
 
 
+def profile(seq_model, model, weights, seq_xs, xs, ys, lr) -> None:
+    """The operators of the clients' steps one after another against vmapped, per client
+    step (torch's FLOP formulas ignore a convolution's groups: no rates for vmap's)."""
+    from step_profile import OpTimer  # this folder's script (run as a script: on the path)
+
+    k, steps = len(weights), len(xs[0])
+    for name, run in (("sequential", lambda: sequential(seq_model, weights, seq_xs, ys, lr)),
+                      ("vmap", lambda: batched(model, weights, xs, ys, lr))):
+        run()  # warm
+        ops = OpTimer()
+        with ops:
+            run()
+        total = sum(t for t, _, _ in ops.rows.values())
+        per = 1e3 / (k * steps)
+        print(f"\n{name}: {per * total:.2f} ms of CPU time a client step in operators "
+              f"({ops.calls / steps:.0f} operators a step of all {k} clients)\n"
+              "| operator | input shapes | ms a client step | share |\n|---|---|---|---|")
+        for (op, shapes), (t, _n, _fl) in sorted(ops.rows.items(), key=lambda kv: -kv[1][0])[:10]:
+            print(f"| {op} | {shapes} | {per * t:.3f} | {t / total:.0%} |")
+    print()
+
+
 def timed(fn, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -83,6 +112,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -101,7 +132,13 @@ def main() -> None:
           for _ in range(args.clients)]
     lr = 0.01
 
-    a = sequential(model, weights, xs, ys, lr)
+    seq_model, seq_xs = model, xs
+    if args.channels_last:
+        seq_model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        seq_xs = [[x.contiguous(memory_format=torch.channels_last) for x in c] for c in xs]
+    if args.profile:
+        profile(seq_model, model, weights, seq_xs, xs, ys, lr)
+    a = sequential(seq_model, weights, seq_xs, ys, lr)
     b = batched(model, weights, xs, ys, lr)
     diff = max(float((a[k][n] - b[k][n]).abs().max()) for k in range(args.clients) for n in a[k])
     print(f"max |sequential - vmap| over every client's weights after {args.steps} steps: "
@@ -109,7 +146,7 @@ def main() -> None:
 
     seq, vm = [], []
     for _ in range(args.repeats):  # alternating, so that drifting load hits both alike
-        seq.append(timed(lambda: sequential(model, weights, xs, ys, lr), device))
+        seq.append(timed(lambda: sequential(seq_model, weights, seq_xs, ys, lr), device))
         vm.append(timed(lambda: batched(model, weights, xs, ys, lr), device))
     s, v = statistics.median(seq), statistics.median(vm)
     steps = args.clients * args.steps
