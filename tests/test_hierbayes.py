@@ -107,10 +107,8 @@ def test_the_adam_pull_steps_as_torch_adam_on_the_loss_and_its_pull():
     ours, hook = w0.clone(), adam_pull([c], [anchor])
     for step in range(7):
         target = torch.randn(4, 3, dtype=d, generator=torch.Generator().manual_seed(step))
-        def loss(w):
-            return ((w - target) ** 4).sum() + 0.5 * (c * (w - anchor) ** 2).sum()
         opt.zero_grad()
-        loss(ref).backward()
+        (((ref - target) ** 4).sum() + 0.5 * (c * (ref - anchor) ** 2).sum()).backward()
         opt.step()
         g = [4 * (ours - target) ** 3]  # f's gradient alone: the hook adds the pull's
         sgd_update([ours], g, lr, 0.0, 0.0, None, hook)

@@ -78,3 +78,39 @@ def test_dcpfl_reports_the_mean_over_its_last_aggregation_period():
     rows = sim.metrics[-sim.server.tau_rounds:]
     assert s["acc_mean_last_period"] == pytest.approx(np.mean([r["acc_mean"] for r in rows]))
     assert s["last_period_rounds"] == [rows[0]["round"], rows[-1]["round"]]
+
+
+@pytest.mark.parametrize("algorithm", [["algorithm.name=fedavg"],
+                                       ["algorithm.name=hierfavg", "topology.edges=2"]])
+def test_finetune_scores_each_client_on_the_global_model_tuned_on_its_own_data(algorithm):
+    """evaluate = finetune: every client, selected or not, is scored on the model it would
+    receive after finetune_epochs of SGD on its training data; training and traffic are
+    those of evaluate = global."""
+    from edgepfl.federation.rng import generator
+
+    common = [*algorithm, "train.rounds=2", "train.participation=0.5"]
+    plain = Simulation(fast_config(*common), progress=False)
+    plain.run()
+    tuned = Simulation(fast_config(*common, "algorithm.evaluate=finetune",
+                                   "algorithm.finetune_epochs=2"), progress=False)
+    result = tuned.run()
+    for a, b in zip(plain.metrics, tuned.metrics, strict=True):
+        assert a["bytes_up"] == b["bytes_up"] and a["train_loss"] == b["train_loss"]
+    t, trainer = tuned.cfg.train, tuned.trainer
+    for cid in range(tuned.num_clients):
+        trainer.load(tuned.server.eval_message(cid).tensors)
+        trainer.fit(tuned.train_data[cid], 2, t.batch_size, t.lr,
+                    generator(tuned.cfg.seed, "finetune", cid))
+        model = trainer.export()
+        x, y = tuned.test_data[cid]
+        assert result.client_accuracy[cid] == pytest.approx(trainer.evaluate(model, x, y)[0] / len(y))
+    assert tuned.metrics[-1]["acc_mean"] != plain.metrics[-1]["acc_mean"]
+
+
+def test_finetune_is_refused_under_differential_privacy():
+    from edgepfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="finetune"):
+        Simulation(fast_config("algorithm.name=fedavg", "algorithm.evaluate=finetune",
+                               "privacy.level=sample", "privacy.noise_multiplier=1.0"),
+                   progress=False)

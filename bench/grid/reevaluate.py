@@ -27,8 +27,8 @@ from edgepfl.io import read_tensors
 
 # settings read only when a client is scored: hierbayes' and pfedbayes' test-time fits
 # and Monte Carlo draws are evaluation, not training
-EVALUATION_ONLY = {"algorithm.evaluate", "algorithm.personalize", "algorithm.personal_epochs",
-                   "algorithm.mc_samples", "algorithm.global_level"}
+EVALUATION_ONLY = {"algorithm.evaluate", "algorithm.finetune_epochs", "algorithm.personalize",
+                   "algorithm.personal_epochs", "algorithm.mc_samples", "algorithm.global_level"}
 
 
 def main() -> int:

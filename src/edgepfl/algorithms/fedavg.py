@@ -29,13 +29,18 @@ from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.kit import average_models, check_model_reply, sgd_request
 from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.rng import generator
 
 
 class FedAvgHyperparameters(Hyperparameters):
-    evaluate: Literal["global", "local"] = Field(
-        "global", description="predict with the global model (FedAvg as published) or with the "
+    evaluate: Literal["global", "local", "finetune"] = Field(
+        "global", description="predict with the global model (FedAvg as published), with the "
         "client's own model after its latest local training (how several pFL papers report "
-        "FedAvg/FedProx)")
+        "FedAvg/FedProx), or (finetune) with the global model fine-tuned at test time for "
+        "finetune_epochs on the client's training data, every client alike (hierbayes' and "
+        "pfedbayes' personalize = fit protocol, for comparisons under one protocol)")
+    finetune_epochs: int = Field(1, ge=1, description="epochs of the test-time fine-tuning "
+                                 "under evaluate = finetune (part of the evaluation protocol)")
 
 
 class FedAvgServer(Server):
@@ -93,6 +98,22 @@ class FedAvgClient(Client):
             state = model_to_state(trained)
         # the global model, trained on the client's data, goes back with its sample count
         return UpdateResult(Message(trained, {"num_samples": data.n}), state, stats)
+
+    def predictive(self, cid: int, state: State, eval_msg: Message | None,
+                   data: ClientData) -> dict[str, list[State]]:
+        if self.hp.evaluate != "finetune":
+            return super().predictive(cid, state, eval_msg, data)
+        start = self.personal_model(state, eval_msg)
+        t = self.ctx.train
+        # one batch order per client (the evaluation message carries no round), plain SGD
+        # at train.lr: what a client would do with the model it receives
+        self.trainer.load(start)
+        self.trainer.fit(data, self.hp.finetune_epochs, t.batch_size, t.lr,
+                         generator(self.ctx.seed, "finetune", cid), momentum=t.momentum,
+                         weight_decay=t.weight_decay)
+        tuned = self.trainer.export()
+        self.trainer.forget()
+        return {"": [tuned]}
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if self.hp.evaluate == "local":

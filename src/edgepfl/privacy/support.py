@@ -40,6 +40,10 @@ def check_privacy(cfg: Config, algorithm: Algorithm, federation: Federation,
                           f"{algorithm.name!r}: {algorithm.privacy.refused}; algorithms with "
                           f"{level}-level privacy: {', '.join(valid)} (docs/algorithms.md, "
                           "'Differential privacy')")
+    if cfg.algorithm.hyperparameters().get("evaluate") == "finetune":
+        raise ConfigError(f"algorithm.evaluate = 'finetune' with privacy.level = {level!r}: "
+                          "the test-time fine-tuning trains on each client's data outside "
+                          "the accounting; set algorithm.evaluate to global or local")
     if level == "client":
         _check_client(cfg, federation)
     else:
