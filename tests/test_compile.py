@@ -20,9 +20,10 @@ def _data(n: int = 47) -> ClientData:
     return ClientData(x, y, torch.arange(n))
 
 
-def _fit(mode: str, **kw) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def _fit(mode: str, model: str = "cnn_small", **kw
+         ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     torch.manual_seed(1)
-    trainer = Trainer(build_model("cnn_small", (1, 8, 8), 10), compile=mode)
+    trainer = Trainer(build_model(model, (1, 8, 8), 10), compile=mode)
     start = trainer.export()
     if kw.pop("hook", False):
         kw["grad_hook"] = proximal_hook(0.1, [start[n] for n in trainer.param_names])
@@ -43,6 +44,17 @@ def test_compiled_fit_equals_eager(settings):
     assert stats["train_loss"] == pytest.approx(eager_stats["train_loss"], rel=1e-5)
     for name, value in eager.items():
         torch.testing.assert_close(compiled[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_models_with_batchnorm_train_eagerly():
+    """BatchNorm updates its running statistics in place, which a compiled
+    ``torch.func.grad`` refuses: such a model's fit stays eager, with eager's results."""
+    trainer = Trainer(build_model("cnn_small_bn", (1, 8, 8), 10), compile="default")
+    assert trainer._passes(trainer.param_names) is None
+    eager, _ = _fit("off", model="cnn_small_bn")
+    same, _ = _fit("default", model="cnn_small_bn")
+    for name, value in eager.items():
+        assert torch.equal(same[name], value), name
 
 
 def test_compile_setting_is_checked():

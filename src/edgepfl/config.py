@@ -185,8 +185,8 @@ class TrainConfig(_Section):
         "train.workers = 1")
     compile: Literal["off", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "off", description="torch.compile a plain local fit's forward, loss and backward as one "
-        "graph in this mode (algorithms whose clients add a loss term, and models with dropout, "
-        "train eagerly); results equal eager within float tolerance; off = eager, the faster on "
+        "graph in this mode (algorithms whose clients add a loss term, and models with dropout "
+        "or BatchNorm, train eagerly); results equal eager within float tolerance; off = eager, the faster on "
         "a CPU (bench/speed/README.md, 'CPU modes'); the first step of each batch shape pays "
         "the compile (tens of seconds)")
     store: Literal["memory", "disk"] = Field(

@@ -122,17 +122,20 @@ class Trainer(BatchedTraining, Evaluation):
         """``train.compile``'s step for a plain fit of the parameters ``names``: the
         gradients of the batch's mean cross-entropy and the loss, ``(grads, loss)``, from
         one graph that torch.compile made of the forward, the loss and the backward. None
-        where the fit runs eagerly: compile off, or a model with dropout (a compiled
-        graph draws other random numbers than eager PyTorch, and results are to be equal).
-        BatchNorm's running statistics are updated in place as eagerly. The update stays
-        eager (``sgd_update``), so gradient hooks, weight decay and momentum are fit's.
+        where the fit runs eagerly: compile off, a model with dropout (a compiled graph
+        draws other random numbers than eager PyTorch, and results are to be equal), or a
+        model with buffers (BatchNorm's running statistics are updated in place, which
+        ``torch.func.grad`` refuses for tensors the function does not take as inputs). The
+        update stays eager (``sgd_update``), so gradient hooks, weight decay and momentum
+        are fit's.
         """
         if self.compile == "off":
             return None
         key = tuple(names)
         fn = self._compiled.get(key)
         if fn is None:
-            if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in self.model.modules()):
+            if self.buffers or any(isinstance(m, nn.modules.dropout._DropoutNd)
+                                   for m in self.model.modules()):
                 return None
             model = self.model
             fixed = {n: p for n, p in self.params.items() if n not in set(names)}
