@@ -35,6 +35,7 @@ def pm(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
 def label(run_name: str) -> str:
     name = run_name.replace("+topology.edges=2+topology.edge_rounds=2", " (2 edges, k2=2)")
     name = name.replace("+topology.edges=1+topology.edge_rounds=2", " flat (1 edge, k2=2)")
+    name = name.replace("+topology.edges=1", " flat (1 edge)")
     name = re.sub(r"\+topology\.edges=(\d+)", r" (K = \1 edges)", name)
     name = name.replace("+topology.mode=async", " async (extension beyond the paper)")
     name = name.replace("+personalize=cloud", ", fit under psi*")
@@ -78,6 +79,33 @@ def main(roots: list[Path]) -> None:
                   f"{pm([x['t_round_total'] for x in s], 1, 0)} |")
     print()
     print("Accuracies in %; '-' where a method has no such prediction.")
+    rescored(roots)
+
+
+def rescored(roots: list[Path]) -> None:
+    """The last round re-scored under another protocol (bench/papers/hier_reevaluate.sh:
+    ROOT/reevaluated.jsonl), mean ± std over seeds."""
+    rows: dict[tuple[str, str, str], list[dict]] = {}
+    for root in roots:
+        path = root / "reevaluated.jsonl"
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            run = Path(r["run"])
+            name = re.sub(r"-seed\d+$", "", run.name)
+            rows.setdefault((run.parent.name, name, " ".join(r["settings"])), []).append(
+                r["reevaluated"])
+    if not rows:
+        return
+    print()
+    print("| setting | method | re-scored with | seeds | final acc | final worst |")
+    print("|---|---|---|---|---|---|")
+    for (grid, name, sets), found in sorted(rows.items(), key=lambda kv: (kv[0][0], order(kv[0][1]))):
+        print(f"| {grid} | {label(name)} | {sets.replace('algorithm.', '')} | {len(found)} | "
+              f"{pm([f['acc_mean'] for f in found])} | {pm([f['acc_min'] for f in found])} |")
 
 
 if __name__ == "__main__":
