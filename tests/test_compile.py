@@ -64,3 +64,17 @@ def test_compile_setting_is_checked():
         build_config({}, ["train.compile=fast"])
     with pytest.raises(ValueError, match="valid: off"):
         Trainer(build_model("cnn_small", (1, 8, 8), 10), compile="fast")
+
+
+def test_the_engine_hands_train_compile_to_its_trainers():
+    from edgepfl.engine.simulation import Simulation
+    from tests.conftest import fast_config
+
+    sim = Simulation(fast_config("train.compile=default", "train.rounds=1"), progress=False)
+    assert sim.trainer.compile == "default"
+    hetero = Simulation(fast_config("algorithm.name=heterofl", "train.compile=default",
+                                    "train.rounds=1"), progress=False)
+    assert hetero.client.trainer_at(0.5).compile == "default"
+    with pytest.raises(ConfigError, match="train.compile"):
+        Simulation(fast_config("train.compile=default", "privacy.level=sample",
+                               "privacy.noise_multiplier=1.0"), progress=False)

@@ -182,7 +182,8 @@ class HeteroFLClient(Client):
         if rate not in self._trainers:
             model = width_model(self.trainer.model, self.ctx.layers, rate)
             self._trainers[rate] = Trainer(model, self.trainer.eval_batch_size,
-                                           self.trainer.channels_last, self.trainer.device)
+                                           self.trainer.channels_last, self.trainer.device,
+                                           compile=self.trainer.compile)
         return self._trainers[rate]
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,

@@ -84,6 +84,11 @@ def _check_client(cfg: Config, federation: Federation) -> None:
 
 
 def _check_sample(cfg: Config, models: dict[str, torch.nn.Module]) -> None:
+    if cfg.train.compile != "off":
+        raise ConfigError(
+            f"privacy.level = 'sample' with train.compile = {cfg.train.compile!r}: DP-SGD's "
+            "per-sample gradients run eagerly, so nothing would be compiled; set "
+            "train.compile = 'off'")
     if cfg.train.batch_clients:
         raise ConfigError(
             "privacy.level = 'sample' with train.batch_clients = true: the batched path "
@@ -110,4 +115,4 @@ def make_trainer(cfg: Config, model: torch.nn.Module, device: torch.device) -> T
     if p.level == "sample":
         return PrivateTrainer(model, cfg.eval.batch_size, device=device, clip=p.clip,
                               noise_multiplier=p.noise_multiplier)
-    return Trainer(model, cfg.eval.batch_size, device=device)
+    return Trainer(model, cfg.eval.batch_size, device=device, compile=cfg.train.compile)
