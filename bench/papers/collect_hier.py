@@ -35,6 +35,7 @@ def pm(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
 def label(run_name: str) -> str:
     name = run_name.replace("+topology.edges=2+topology.edge_rounds=2", " (2 edges, k2=2)")
     name = name.replace("+topology.edges=1+topology.edge_rounds=2", " flat (1 edge, k2=2)")
+    name = name.replace("+topology.edge_rounds=1", "")  # a star's: no edges
     name = re.sub(r"\+topology\.edges=1(?!\d)", " flat (1 edge)", name)
     name = re.sub(r"\+topology\.edges=(\d+)", r" (K = \1 edges)", name)
     name = name.replace("+topology.mode=async", " async (extension beyond the paper)")

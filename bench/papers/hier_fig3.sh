@@ -24,6 +24,8 @@
 # optimizer and rate; hierbayes per K).
 # Collect with: python bench/papers/collect_hier.py OUT/* (one table per setting)
 set -euo pipefail
+# a star (no edges) takes one edge round: the grid's k2 = 2 is for the hierarchies
+star="topology.edge_rounds=1"
 seeds=${1:-"0"}
 ks=${2:-"2 5 10"}
 settings=${3:-"mnist:dirichlet mnist:pathological fmnist:dirichlet fmnist:pathological"}
@@ -38,10 +40,10 @@ for s in $settings; do
         hierbayes|hierfavg) specs=$(for k in $ks; do echo "$m:topology.edges=$k"; done) ;;
         hierbayes_cloud) specs=$(for k in $ks; do echo "hierbayes:topology.edges=$k,personalize=cloud"; done) ;;
         flat) specs="hierbayes:topology.edges=1" ;;
-        pfedbayes) specs="pfedbayes:optimizer=sgd,personal_lr=0.01,global_lr=0.01,train.local_epochs=2,personalize=fit" ;;
+        pfedbayes) specs="pfedbayes:optimizer=sgd,personal_lr=0.01,global_lr=0.01,train.local_epochs=2,personalize=fit,$star" ;;
         hierbayes_adam) specs=$(for k in $ks; do echo "hierbayes:topology.edges=$k,optimizer=adam,train.lr=0.001"; done) ;;
-        pfedbayes_adam) specs="pfedbayes:train.local_epochs=2,personalize=fit" ;;
-        *) specs=$m ;;
+        pfedbayes_adam) specs="pfedbayes:train.local_epochs=2,personalize=fit,$star" ;;
+        *) specs="$m:$star" ;;
       esac
       for spec in $specs; do
         echo "${OUT:-runs/hier_fig3}/$ds-$scheme-c100 $seed $spec" \
