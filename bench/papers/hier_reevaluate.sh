@@ -15,7 +15,7 @@ for run in "$root"/*/*/; do
   [[ -f $run/summary.json && -f $run/checkpoint.safetensors ]] || continue
   name=$(basename "$run")
   case $name in
-    hierfavg*|fedavg-*) sets=(--set algorithm.evaluate=finetune) ;;
+    hierfavg*|fedavg*) sets=(--set algorithm.evaluate=finetune) ;;
     hierbayes+topology.edges=1-*) continue ;;  # one edge: cloud and edge_posterior coincide
     hierbayes*) [[ $name == *personalize=* ]] && continue; sets=(--set algorithm.personalize=cloud) ;;
     *) continue ;;
