@@ -20,6 +20,7 @@
 #                 MNIST images and 1,000 a round (the paper's 60,000 would cost each
 #                 client 60 epochs of its own data in transfer learning alone),
 #                 unless the spec gives settings: fedprox:mu=1;
+#                 hmpl:com_align=fit runs HMPL with Com's aligner refitted every round;
 #                 an algorithm that takes whole images only (Algorithm.variable_size; none
 #                 of the registered ones) is left out of Table IV with a note
 #   JOBS=2         runs two at a time
