@@ -75,6 +75,10 @@ def test_the_engine_hands_train_compile_to_its_trainers():
     hetero = Simulation(fast_config("algorithm.name=heterofl", "train.compile=default",
                                     "train.rounds=1"), progress=False)
     assert hetero.client.trainer_at(0.5).compile == "default"
+    tiers = Simulation(fast_config("algorithm.name=hmpl", "model.name=hmpl_tiers",
+                                   "system.devices=tiers", "train.compile=default",
+                                   "train.rounds=1"), progress=False)
+    assert tiers.client.trainer_at(0).compile == "default"
     with pytest.raises(ConfigError, match="train.compile"):
         Simulation(fast_config("train.compile=default", "privacy.level=sample",
                                "privacy.noise_multiplier=1.0"), progress=False)

@@ -615,7 +615,8 @@ class HMPLClient(Client):
             device = self.trainer.device
             self._trainers[stage] = Trainer(model.to_empty(device=device),
                                             self.trainer.eval_batch_size,
-                                            self.trainer.channels_last, device)
+                                            self.trainer.channels_last, device,
+                                            compile=self.trainer.compile)
         return self._trainers[stage]
 
     def new_layer(self, stage: int, layer: str, cid: int,
