@@ -86,7 +86,7 @@ def main(roots: list[Path]) -> None:
 def rescored(roots: list[Path]) -> None:
     """The last round re-scored under another protocol (bench/papers/hier_reevaluate.sh:
     ROOT/reevaluated.jsonl), mean ± std over seeds."""
-    rows: dict[tuple[str, str, str], list[dict]] = {}
+    rows: dict[tuple[str, str, str], dict[str, dict]] = {}
     for root in roots:
         path = root / "reevaluated.jsonl"
         if not path.is_file():
@@ -97,14 +97,16 @@ def rescored(roots: list[Path]) -> None:
             r = json.loads(line)
             run = Path(r["run"])
             name = re.sub(r"-seed\d+$", "", run.name)
-            rows.setdefault((run.parent.name, name, " ".join(r["settings"])), []).append(
+            # one figure per run and protocol: a run re-scored twice counts once (the last)
+            rows.setdefault((run.parent.name, name, " ".join(r["settings"])), {})[run.name] = (
                 r["reevaluated"])
     if not rows:
         return
     print()
     print("| setting | method | re-scored with | seeds | final acc | final worst |")
     print("|---|---|---|---|---|---|")
-    for (grid, name, sets), found in sorted(rows.items(), key=lambda kv: (kv[0][0], order(kv[0][1]))):
+    for (grid, name, sets), by_run in sorted(rows.items(), key=lambda kv: (kv[0][0], order(kv[0][1]))):
+        found = list(by_run.values())
         print(f"| {grid} | {label(name)} | {sets.replace('algorithm.', '')} | {len(found)} | "
               f"{pm([f['acc_mean'] for f in found])} | {pm([f['acc_min'] for f in found])} |")
 
