@@ -323,6 +323,16 @@ class PFedBayesClient(Client):
                 for name, lr in (("mu_i", hp.personal_lr), ("rho_i", hp.personal_lr),
                                  ("mu_g", hp.global_lr), ("rho_g", hp.global_lr))}
 
+    def _batches(self, data: ClientData, epochs: int, gen: torch.Generator):
+        """``epochs`` of the client's mini-batches on the trainer's device, the skeleton in
+        training mode; its loaded state is forgotten before and after (draws overwrite it)."""
+        self.trainer.forget()
+        self.trainer.model.train()
+        for _ in range(epochs):
+            for xb, yb in data.batches(self.ctx.train.batch_size, gen):
+                yield self.trainer.layout(xb), to_device(yb, self.trainer.device)
+        self.trainer.forget()
+
     def _personal_step(self, opt: dict[str, SGD | Adam], mu_i: torch.Tensor,
                        rho_i: torch.Tensor, mu_g: torch.Tensor, rho_g: torch.Tensor,
                        coef: float, xb: torch.Tensor, yb: torch.Tensor,
@@ -349,23 +359,18 @@ class PFedBayesClient(Client):
         # the draws come from their own stream, seeded from the client's generator without
         # consuming it: the mini-batch order is then exactly that of local training
         noise = generator(gen.initial_seed(), "pfedbayes-noise")
-        self.trainer.forget()
-        self.trainer.model.train()
         loss_sum, seen, steps = 0.0, 0, 0
-        for _ in range(t.local_epochs):
-            for xb, yb in data.batches(t.batch_size, gen):
-                xb, yb = self.trainer.layout(xb), to_device(yb, self.trainer.device)
-                for _ in range(hp.personal_steps):
-                    mu_i, rho_i, loss = self._personal_step(opt, mu_i, rho_i, mu_g, rho_g, coef,
-                                                            xb, yb, noise)
-                    steps += 1
-                g_mu, g_rho = global_grads(mu_g, rho_g, mu_i, rho_i, coef)
-                prec = coef / softplus(rho_g) ** 2 if implicit else None
-                mu_g = opt["mu_g"].step(mu_g, g_mu, prec)
-                rho_g = opt["rho_g"].step(rho_g, g_rho)
-                loss_sum += loss * yb.numel()  # the data term at the batch's last personal step
-                seen += yb.numel()
-        self.trainer.forget()
+        for xb, yb in self._batches(data, t.local_epochs, gen):
+            for _ in range(hp.personal_steps):
+                mu_i, rho_i, loss = self._personal_step(opt, mu_i, rho_i, mu_g, rho_g, coef,
+                                                        xb, yb, noise)
+                steps += 1
+            g_mu, g_rho = global_grads(mu_g, rho_g, mu_i, rho_i, coef)
+            prec = coef / softplus(rho_g) ** 2 if implicit else None
+            mu_g = opt["mu_g"].step(mu_g, g_mu, prec)
+            rho_g = opt["rho_g"].step(rho_g, g_rho)
+            loss_sum += loss * yb.numel()  # the data term at the batch's last personal step
+            seen += yb.numel()
         like = {n: self.trainer.params[n] for n in self.names}
         state = {**_unflat(mu_i, like, self.names, MU), **_unflat(rho_i, like, self.names, RHO)}
         reply = Message({**_unflat(mu_g, like, self.names, MU),
@@ -378,22 +383,17 @@ class PFedBayesClient(Client):
                        data: ClientData) -> tuple[torch.Tensor, torch.Tensor]:
         """personalize = fit: q_i from the global distribution, personal_epochs of personal
         steps on the client's training data under that global, which stays fixed."""
-        hp, t = self.hp, self.ctx.train
+        hp = self.hp
         mu_g, rho_g = self.trainer.place([mu_g, rho_g])
         mu_i, rho_i = mu_g.clone(), rho_g.clone()
         coef = hp.zeta / max(data.n, 1)
         opt = self._optimizers()
         gen = generator(self.ctx.seed, "personalize", rnd, cid)
         noise = generator(self.ctx.seed, "personalize-noise", rnd, cid)
-        self.trainer.forget()
-        self.trainer.model.train()
-        for _ in range(hp.personal_epochs):
-            for xb, yb in data.batches(t.batch_size, gen):
-                xb, yb = self.trainer.layout(xb), to_device(yb, self.trainer.device)
-                for _ in range(hp.personal_steps):
-                    mu_i, rho_i, _ = self._personal_step(opt, mu_i, rho_i, mu_g, rho_g, coef,
-                                                         xb, yb, noise)
-        self.trainer.forget()
+        for xb, yb in self._batches(data, hp.personal_epochs, gen):
+            for _ in range(hp.personal_steps):
+                mu_i, rho_i, _ = self._personal_step(opt, mu_i, rho_i, mu_g, rho_g, coef,
+                                                     xb, yb, noise)
         return host(mu_i), host(rho_i)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
