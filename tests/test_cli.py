@@ -40,7 +40,8 @@ def test_run_reads_a_toml_config(tmp_path):
     res = invoke("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet")
     assert res.exit_code == 0, res.output
     stored = json.loads((tmp_path / "r" / "config.json").read_text())
-    assert stored["algorithm"] == {"name": "fedprox", "mu": 0.5, "evaluate": "global"}
+    assert stored["algorithm"] == {"name": "fedprox", "mu": 0.5, "evaluate": "global",
+                                   "finetune_epochs": 1}
     assert stored["partition"]["clients"] == 3
 
 
@@ -136,7 +137,8 @@ def test_compare_routes_hyperparameters_to_the_algorithms_that_have_them(tmp_pat
                  "--out", str(tmp_path / "c"))
     assert res.exit_code == 0, res.output
     prox = json.loads((tmp_path / "c" / "fedprox-seed0" / "config.json").read_text())
-    assert prox["algorithm"] == {"name": "fedprox", "mu": 0.3, "evaluate": "global"}
+    assert prox["algorithm"] == {"name": "fedprox", "mu": 0.3, "evaluate": "global",
+                                 "finetune_epochs": 1}
     res = invoke("compare", "--algorithms", "fedavg,fedprox", *FAST,
                  "--set", "algorithm.fedprox.mu=0.2", "--out", str(tmp_path / "d"))
     assert res.exit_code == 0, res.output

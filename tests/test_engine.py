@@ -39,7 +39,7 @@ def test_run_directory_has_every_promised_file(tmp_path):
     assert summary == json.loads(json.dumps(result.summary))
     config = json.loads((out / "config.json").read_text())
     assert config["model"]["name"] == "cnn_small"  # resolved, not None
-    assert config["algorithm"] == {"name": "fedavg", "evaluate": "global"}
+    assert config["algorithm"] == {"name": "fedavg", "evaluate": "global", "finetune_epochs": 1}
 
 
 def test_evaluation_reports_mean_weighted_spread_best_and_final():
