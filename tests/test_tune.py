@@ -94,7 +94,7 @@ def base_dict(algorithm, *overrides):
 
 
 @pytest.mark.parametrize("algorithm, item, why", [
-    ("fedprox", "algorithm.k=int:1:3", "k is not a hyperparameter of fedprox; valid: evaluate, mu"),
+    ("fedprox", "algorithm.k=int:1:3", "k is not a hyperparameter of fedprox; valid: evaluate, finetune_epochs, mu"),
     ("fedbn", "algorithm.k=int:1:3", "valid: (none)"),
     ("fedprox", "train.rounds=int:1:5", "train.rounds is the budget"),
     ("fedprox", "train.workers=int:1:2", "how a run executes"),
