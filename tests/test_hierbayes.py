@@ -235,6 +235,61 @@ def test_stale_edges_enter_the_cloud_block_as_fractions_of_an_observation():
     assert torch.allclose(faded[0], alone[0], atol=1e-6)
 
 
+def _direct_cloud_update(means, variances, psi_prior_var, a, b, a_p, b_p, iters, weights, layout):
+    """Eq. 28's sweeps written row by row (the form the sufficient statistics replace)."""
+    w = (weights / weights.sum()).view(-1, 1)
+    count = float(weights.sum())
+    for _ in range(iters):
+        lam = a / b
+        prec = count * lam + 1.0 / psi_prior_var
+        m = lam * count * (w * means).sum(0) / prec
+        v = 1.0 / prec
+        sq = (w * ((means - m) ** 2 + variances)).sum(0) + v
+        a, b = a_p + count * layout.dim / 2, b_p + 0.5 * count * layout.dim * layout.pool(sq)
+    return m, v, a, b
+
+
+def _direct_edge_update(uploads, size, eps, m0, lam_e, a, b, a_p, b_p, iters, layout):
+    """Eq. 25's sweeps written row by row."""
+    for _ in range(iters):
+        lam = a / b
+        prec = size * lam + lam_e
+        m = (lam * size * uploads.mean(0) + lam_e * m0) / prec
+        v = 1.0 / prec
+        sq = ((uploads - m) ** 2).mean(0) + eps ** 2 + v
+        a, b = a_p + size * layout.dim / 2, b_p + 0.5 * size * layout.dim * layout.pool(sq)
+    return m, v, a, b
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_the_sweeps_on_sufficient_statistics_equal_the_row_by_row_form(per_layer):
+    """The sweeps use mean_i (x_i - m)^2 = spread + (mean - m)^2 (one pass over the rows,
+    then one row per sweep); the direct form must come out the same, with uneven weights
+    and shared variances."""
+    from edgepfl.algorithms.hierbayes import cloud_update
+
+    g = torch.Generator().manual_seed(3)
+    init = {"w": torch.randn(3, 4, generator=g), "c": torch.randn(5, generator=g)}
+    layout = Layout(init, list(init), per_layer)
+    d = 17
+    means = 0.1 * torch.randn(4, d, generator=g, dtype=torch.float64)
+    variances = torch.rand(4, d, generator=g, dtype=torch.float64) * 1e-3
+    weights = torch.tensor([1.0, 0.5, 0.25, 0.8], dtype=torch.float64)
+    b = torch.rand(d, generator=g, dtype=torch.float64) * 1e-2 + 1e-3
+    a = 2.0 + layout.dim if per_layer else 2.0
+    got = cloud_update(means, variances, 1.0, a, b, 2.0, b.clone(), 7, weights, layout,
+                       torch.empty_like(means))
+    want = _direct_cloud_update(means, variances, 1.0, a, b, 2.0, b.clone(), 7, weights, layout)
+    for x, y in zip(got, want, strict=True):
+        assert torch.allclose(torch.as_tensor(x), torch.as_tensor(y), rtol=1e-12, atol=0)
+    m0 = torch.randn(d, generator=g, dtype=torch.float64) * 0.1
+    lam_e = torch.rand(d, generator=g, dtype=torch.float64) * 100
+    got = edge_update(means, 9, 1e-2, m0, lam_e, a, b, 2.0, b.clone(), 7, layout)
+    want = _direct_edge_update(means, 9, 1e-2, m0, lam_e, a, b, 2.0, b.clone(), 7, layout)
+    for x, y in zip(got, want, strict=True):
+        assert torch.allclose(torch.as_tensor(x), torch.as_tensor(y), rtol=1e-12, atol=0)
+
+
 def test_hierbayes_runs_with_asynchronous_edges():
     result = Simulation(fast_config(*HB, "topology.mode=async", "topology.edge_rounds=2",
                                     "train.rounds=3"), progress=False).run()

@@ -245,42 +245,68 @@ def edge_update(uploads: torch.Tensor, size: float, eps: float | torch.Tensor, m
     ``uploads``) standing for the edge's ``size`` clients, whose posterior variances are
     ``eps ** 2`` (a number, or the clients' mean per coordinate). Returns (m_k, v_k, a_k, b_k)."""
     pool, dim = (layout.pool, layout.dim) if layout is not None else ((lambda x: x), 1.0)
+    centre, spread = _moments(uploads)
+    spread = spread + eps ** 2
     for _ in range(iters):
-        m, v = gaussian_block(uploads, size, a / b, m0, lam_e)
-        sq = ((uploads - m) ** 2).mean(0) + eps ** 2 + v
-        a, b = gamma_block(pool(sq), size, a_p, b_p, dim)
+        m, v = gaussian_block(centre, size, a / b, m0, lam_e)
+        a, b = gamma_block(pool(spread + (centre[0] - m) ** 2 + v), size, a_p, b_p, dim)
     return m, v, a, b
 
 
 def cloud_update(means: torch.Tensor, variances: torch.Tensor, psi_prior_var: float,
                  a: float | torch.Tensor, b: torch.Tensor, a_p: float, b_p: float | torch.Tensor,
                  iters: int, weights: torch.Tensor | None = None, layout: Layout | None = None,
+                 scratch: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor, torch.Tensor]:
     """Eq. 28: q(psi) and q(sigma_e^2) from the edges' posteriors N(m_k, v_k) (rows).
     ``weights`` (asynchronous edges: stale ones count as fractions of an observation)
-    scale each edge's term in the objective. Returns (m_0, v_0, a_e, b_e)."""
+    scale each edge's term in the objective; ``scratch``, a buffer shaped like ``means``
+    that it may overwrite. Returns (m_0, v_0, a_e, b_e)."""
     pool, dim = (layout.pool, layout.dim) if layout is not None else ((lambda x: x), 1.0)
     count = means.shape[0] if weights is None else float(weights.sum())
-    if weights is not None:
-        w = (weights / weights.sum()).view(-1, *([1] * (means.dim() - 1))).to(means.dtype)
+    centre, spread = _moments(means, weights, scratch)
+    spread = spread + (variances.mean(0) if weights is None
+                       else (_column(weights, means) * variances).sum(0))
+    zero = torch.zeros_like(means[0])
     for _ in range(iters):
-        centre = means if weights is None else (w * means).sum(0, keepdim=True)
-        m, v = gaussian_block(centre, count, a / b, torch.zeros_like(means[0]), 1.0 / psi_prior_var)
-        spread = (means - m) ** 2 + variances
-        sq = (spread.mean(0) if weights is None else (w * spread).sum(0)) + v
-        a, b = gamma_block(pool(sq), count, a_p, b_p, dim)
+        m, v = gaussian_block(centre, count, a / b, zero, 1.0 / psi_prior_var)
+        a, b = gamma_block(pool(spread + (centre[0] - m) ** 2 + v), count, a_p, b_p, dim)
     return m, v, a, b
+
+
+def _column(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Weights normalised to sum to one, shaped to scale ``rows``' rows."""
+    return (weights / weights.sum()).view(-1, *([1] * (rows.dim() - 1))).to(rows.dtype)
+
+
+def _moments(rows: torch.Tensor, weights: torch.Tensor | None = None,
+             scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' (weighted) mean, kept as one row, and their mean square distance from it.
+    The coordinate-ascent sweeps need  mean_i (x_i - m)^2  for a moving m; it equals this
+    spread + (mean - m)^2, so a sweep touches one row instead of all of them."""
+    w = None if weights is None else _column(weights, rows)
+    centre = rows.mean(0, keepdim=True) if w is None else (w * rows).sum(0, keepdim=True)
+    diff = torch.sub(rows, centre, out=scratch if scratch is not None else torch.empty_like(rows))
+    diff.square_()
+    return centre, (diff.mean(0) if w is None else diff.mul_(w).sum(0))
 
 
 JOINT_SWEEPS = 20  # edge <-> cloud passes per cloud round: converged to ~1e-6 at equal weights
 
 
 def edge_posteriors(ybar: torch.Tensor, meas: torch.Tensor, m0: torch.Tensor,
-                    lam_e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    lam_e: torch.Tensor, weighted: torch.Tensor | None = None,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 25's q(phi_k) for each edge (rows) from its clients' mean ``ybar`` and that mean's
-    precision ``meas`` = S_k lambda_k, under the cloud's N(m_0, 1 / lambda_e)."""
-    prec = meas + lam_e
-    return (meas * ybar + lam_e * m0) / prec, 1.0 / prec
+    precision ``meas`` = S_k lambda_k, under the cloud's N(m_0, 1 / lambda_e). A caller
+    sweeping over fixed reports passes ``weighted`` = ``meas * ybar`` (computed once) and
+    ``out``, two buffers shaped like ``ybar`` for the result (a fresh tensor of a model per
+    edge costs more in page faults than the arithmetic)."""
+    means, prec = out if out is not None else (torch.empty_like(ybar), torch.empty_like(ybar))
+    torch.add(meas, lam_e, out=prec)
+    torch.add(meas * ybar if weighted is None else weighted, lam_e * m0, out=means).div_(prec)
+    return means, prec.reciprocal_()
 
 
 def _one_edge(ctx: ServerContext) -> bool:
@@ -423,13 +449,17 @@ class HierBayesCloud(_Level, Server):
                 self.a_p, self.b_p, hp.inner_iters, weights, self.layout)
             return
         ybar, meas = torch.stack(firsts), torch.stack(seconds)
+        weighted = meas * ybar
+        buffers = (torch.empty_like(ybar), torch.empty_like(ybar))
+        scratch = torch.empty_like(ybar)
         for _ in range(JOINT_SWEEPS):
             # the edges' block (Eq. 25's Gaussian part) against the current cloud posterior,
             # then the cloud's (Eq. 28): block coordinate ascent over both levels
-            means, variances = edge_posteriors(ybar, meas, self.m0, self.a_e / self.b_e)
+            means, variances = edge_posteriors(ybar, meas, self.m0, self.a_e / self.b_e,
+                                               weighted, buffers)
             self.m0, self.v0, self.a_e, self.b_e = cloud_update(
                 means, variances, hp.psi_prior_var, self.a_e, self.b_e, self.a_p, self.b_p,
-                hp.inner_iters, weights, self.layout)
+                hp.inner_iters, weights, self.layout, scratch)
 
     def eval_message(self, cid: int) -> Message | None:
         # the global predictive: psi ~ q(psi), a new edge's phi (Eq. 30) or a new client's
