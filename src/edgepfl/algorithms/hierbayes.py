@@ -68,6 +68,7 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.kit import STALENESS, check_model_reply, staleness
+from edgepfl.algorithms.pulls import AdamDirection
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator
@@ -337,33 +338,16 @@ def proximal_pull(lr: float, coef: list[torch.Tensor], anchor: list[torch.Tensor
 def adam_pull(coef: list[torch.Tensor], anchor: list[torch.Tensor],
               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
     """Gradient hook for  mean loss + sum coef/2 (w - anchor)^2  under Adam: the pull's
-    gradient added explicitly, then the gradient replaced by Adam's bias-corrected direction
-    m_hat / (sqrt(v_hat) + eps), which the trainer's plain SGD step at lr (no momentum) turns
-    into torch.optim.Adam's step. Its moments live in the hook: one hook, one fit."""
-    b1, b2 = betas
-    moments: dict[str, list[torch.Tensor]] = {}
-    count = [0]
+    gradient added explicitly, then the gradient replaced by Adam's direction, which the
+    trainer's plain SGD step at lr (no momentum) turns into torch.optim.Adam's step. Its
+    moments live in the hook: one hook, one fit."""
+    direction = AdamDirection(betas, eps)
 
     def hook(params, grads):
         diffs = torch._foreach_sub(list(params), anchor)
         torch._foreach_mul_(diffs, coef)
         torch._foreach_add_(grads, diffs)
-        if not moments:
-            moments["m"] = [torch.zeros_like(g) for g in grads]
-            moments["v"] = [torch.zeros_like(g) for g in grads]
-        count[0] += 1
-        t = count[0]
-        m, v = moments["m"], moments["v"]
-        torch._foreach_lerp_(m, list(grads), 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, (1 - b2 ** t) ** 0.5)
-        torch._foreach_add_(denom, eps)
-        step = torch._foreach_div(m, denom)
-        torch._foreach_div_(step, 1 - b1 ** t)
-        for g, d in zip(grads, step, strict=True):
-            g.copy_(d)
+        direction(grads)
     return hook
 
 

@@ -52,6 +52,7 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.devices import host, to_device
 from edgepfl.algorithms.kit import check_model_reply, num_samples
+from edgepfl.algorithms.pulls import AdamDirection
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator
@@ -168,21 +169,14 @@ class Adam:
     ``prec`` is ignored: Adam takes the explicit gradient, as the reference code does."""
 
     def __init__(self, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
-        self.lr, self.betas, self.eps = lr, betas, eps
-        self.m: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.t = 0
+        self.lr = lr
+        self.direction = AdamDirection(betas, eps)
 
     def step(self, x: torch.Tensor, g: torch.Tensor,
              prec: torch.Tensor | None = None) -> torch.Tensor:
-        b1, b2 = self.betas
-        if self.m is None or self.v is None:
-            self.m, self.v = torch.zeros_like(x), torch.zeros_like(x)
-        self.t += 1
-        self.m = self.m * b1 + g * (1 - b1)
-        self.v = self.v * b2 + g * g * (1 - b2)
-        denom = self.v.sqrt() / (1 - b2 ** self.t) ** 0.5 + self.eps
-        return x - self.lr / (1 - b1 ** self.t) * self.m / denom
+        d = g.clone()
+        self.direction([d])
+        return x - self.lr * d
 
 
 # -- flat <-> per-parameter -----------------------------------------------------------------

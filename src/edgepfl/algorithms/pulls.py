@@ -1,4 +1,5 @@
-"""Proximal pulls: the gradient terms that draw a client's weights towards an anchor."""
+"""Proximal pulls (the gradient terms that draw a client's weights towards an anchor) and
+Adam's direction, both transforms of a step's gradients in place."""
 
 from __future__ import annotations
 
@@ -38,3 +39,34 @@ class Pull:
     def rows(self, rows: torch.Tensor) -> Pull:
         """A stacked pull for the clients at ``rows`` alone."""
         return Pull(self.coef, [a[rows] for a in self.anchor])
+
+
+class AdamDirection:
+    """torch.optim.Adam's bias-corrected direction m_hat / (sqrt(v_hat) + eps) (no weight
+    decay), written over the gradients in place, so that a plain step x - lr * g is Adam's
+    step. The moments live in the object: one object, one optimisation (pFedBayes' and
+    hierbayes' clients start fresh ones every round, as the reference code does)."""
+
+    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        self.betas, self.eps = betas, eps
+        self.m: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.t = 0
+
+    def __call__(self, grads: Sequence[torch.Tensor]) -> None:
+        b1, b2 = self.betas
+        grads = list(grads)
+        if not self.m:
+            self.m = [torch.zeros_like(g) for g in grads]
+            self.v = [torch.zeros_like(g) for g in grads]
+        self.t += 1
+        torch._foreach_lerp_(self.m, grads, 1 - b1)
+        torch._foreach_mul_(self.v, b2)
+        torch._foreach_addcmul_(self.v, grads, grads, value=1 - b2)
+        denom = torch._foreach_sqrt(self.v)
+        torch._foreach_div_(denom, (1 - b2 ** self.t) ** 0.5)
+        torch._foreach_add_(denom, self.eps)
+        step = torch._foreach_div(self.m, denom)
+        torch._foreach_div_(step, 1 - b1 ** self.t)
+        for g, d in zip(grads, step, strict=True):
+            g.copy_(d)
