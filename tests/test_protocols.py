@@ -107,10 +107,15 @@ def test_finetune_scores_each_client_on_the_global_model_tuned_on_its_own_data(a
     assert tuned.metrics[-1]["acc_mean"] != plain.metrics[-1]["acc_mean"]
 
 
-def test_finetune_is_refused_under_differential_privacy():
+@pytest.mark.parametrize("level", ["sample", "client"])
+@pytest.mark.parametrize("algo", [["algorithm.name=fedavg"], ["algorithm.name=fedprox"],
+                                  ["algorithm.name=hierfavg", "topology.edges=2"]])
+def test_finetune_is_refused_under_differential_privacy(algo, level):
+    """Test-time fine-tuning trains on client data outside either level's accounting; the
+    algorithms declare it (PrivacySupport.unaccounted) and the engine refuses it."""
     from edgepfl.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="finetune"):
-        Simulation(fast_config("algorithm.name=fedavg", "algorithm.evaluate=finetune",
-                               "privacy.level=sample", "privacy.noise_multiplier=1.0"),
-                   progress=False)
+    private = [f"privacy.level={level}", "privacy.noise_multiplier=1.0"]
+    with pytest.raises(ConfigError, match="algorithm.evaluate = 'finetune'"):
+        Simulation(fast_config(*algo, "algorithm.evaluate=finetune", *private), progress=False)
+    Simulation(fast_config(*algo, "algorithm.evaluate=global", *private), progress=False)

@@ -459,12 +459,17 @@ class PrivacySupport:
     nothing else computed from the data leaves the client but ``num_samples``; the
     engine's trainer then runs DP-SGD. ``epochs``: passes over its data one update makes,
     from (``train`` settings, hyperparameters); None: ``train.local_epochs``.
+
+    ``unaccounted``: for hyperparameters under which the algorithm computes on client data
+    outside what either level accounts for (training at test time), the refusal, naming
+    the setting and what is valid; None where there is no such work.
     """
 
     client: Literal["mean"] | None = None
     sample: bool = False
     refused: str = ""
     epochs: Callable[[TrainConfig, Any], int] | None = None
+    unaccounted: Callable[[Any], str | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,17 @@ class FedAvgHyperparameters(Hyperparameters):
                                  "under evaluate = finetune (part of the evaluation protocol)")
 
 
+def finetune_unaccounted(hp: FedAvgHyperparameters) -> str | None:
+    """The test-time fine-tuning trains on each client's data outside the privacy accounting."""
+    if hp.evaluate != "finetune":
+        return None
+    return ("algorithm.evaluate = 'finetune': the test-time fine-tuning trains on each "
+            "client's data outside the accounting; set algorithm.evaluate to global or local")
+
+
+PRIVACY = PrivacySupport(client="mean", sample=True, unaccounted=finetune_unaccounted)
+
+
 class FedAvgServer(Server):
     state = ("global_model",)
 
@@ -132,5 +143,5 @@ ALGORITHM = Algorithm(
     client=FedAvgClient,
     heterogeneous=True,
     paper="McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017",
-    privacy=PrivacySupport(client="mean", sample=True),
+    privacy=PRIVACY,
 )

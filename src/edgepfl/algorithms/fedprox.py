@@ -14,10 +14,9 @@ from pydantic import Field
 from edgepfl.algorithms.base import (
     Algorithm,
     LogUniform,
-    PrivacySupport,
     SearchRange,
 )
-from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
+from edgepfl.algorithms.fedavg import PRIVACY, FedAvgClient, FedAvgHyperparameters, FedAvgServer
 from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.federation.messages import Message
 
@@ -42,5 +41,5 @@ ALGORITHM = Algorithm(
     client=FedProxClient,
     heterogeneous=True,
     paper="Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020",
-    privacy=PrivacySupport(client="mean", sample=True),
+    privacy=PRIVACY,
 )

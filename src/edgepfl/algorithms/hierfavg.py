@@ -26,10 +26,9 @@ from edgepfl.algorithms.base import (
     Algorithm,
     Edge,
     EdgeContext,
-    PrivacySupport,
     State,
 )
-from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
+from edgepfl.algorithms.fedavg import PRIVACY, FedAvgClient, FedAvgHyperparameters, FedAvgServer
 from edgepfl.algorithms.kit import (
     STALENESS,
     average_models,
@@ -147,5 +146,5 @@ ALGORITHM = Algorithm(
     edge=HierFAVGEdge,
     heterogeneous=True,
     paper="Liu et al., Client-Edge-Cloud Hierarchical Federated Learning, ICC 2020",
-    privacy=PrivacySupport(client="mean", sample=True),
+    privacy=PRIVACY,
 )

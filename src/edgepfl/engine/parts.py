@@ -205,7 +205,7 @@ class Parts:
                 _probe(name, model, dataset.input_shape[0], crops, native)
             trainers[name] = make_trainer(cfg, model, device)
             models[name] = trainers[name].export()
-        check_privacy(cfg, algorithm, federation, {n: t.model for n, t in trainers.items()})
+        check_privacy(cfg, algorithm, federation, {n: t.model for n, t in trainers.items()}, hp)
         if len(models) > 1:
             index = ParamIndex(models)
             first = index.union(models)

@@ -4,6 +4,7 @@ every runtime, a Flower ClientApp included), and the trainer it trains with."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -24,9 +25,10 @@ def supports(algorithm: Algorithm, level: str) -> bool:
 
 
 def check_privacy(cfg: Config, algorithm: Algorithm, federation: Federation,
-                  models: dict[str, torch.nn.Module]) -> None:
+                  models: dict[str, torch.nn.Module], hp: Any) -> None:
     """Refuse, naming the setting and what is valid, a private run this engine cannot
-    account for; ``models``: each architecture's module."""
+    account for; ``models``: each architecture's module, ``hp`` the algorithm's parsed
+    hyperparameters."""
     from edgepfl.algorithms import ALGORITHMS
 
     p = cfg.privacy
@@ -40,10 +42,10 @@ def check_privacy(cfg: Config, algorithm: Algorithm, federation: Federation,
                           f"{algorithm.name!r}: {algorithm.privacy.refused}; algorithms with "
                           f"{level}-level privacy: {', '.join(valid)} (docs/algorithms.md, "
                           "'Differential privacy')")
-    if cfg.algorithm.hyperparameters().get("evaluate") == "finetune":
-        raise ConfigError(f"algorithm.evaluate = 'finetune' with privacy.level = {level!r}: "
-                          "the test-time fine-tuning trains on each client's data outside "
-                          "the accounting; set algorithm.evaluate to global or local")
+    unaccounted = algorithm.privacy.unaccounted
+    reason = unaccounted(hp) if unaccounted is not None else None
+    if reason:
+        raise ConfigError(f"privacy.level = {level!r} with {reason}")
     if level == "client":
         _check_client(cfg, federation)
     else:
