@@ -12,7 +12,9 @@
 #   bench/papers/hier_fig3.sh [SEEDS] [KS] [SETTINGS] [METHODS]
 #     defaults: "0", "2 5 10", "mnist:dirichlet mnist:pathological fmnist:dirichlet fmnist:pathological",
 #     METHODS "hierbayes hierfavg flat fedavg local hierbayes_cloud pfedbayes"
-#   JOBS=2 runs two at a time; OUT=dir root folder (default runs/hier_fig3)
+#   JOBS=2 runs two at a time; OUT=dir root folder (default runs/hier_fig3); DRY=1 prints
+#   the grid's lines instead (one run each, for bench/grid/run_one.sh), to queue them in
+#   another order: ... | xargs -P 2 -L 1 bash bench/grid/run_one.sh
 #
 # METHODS: hierbayes (personalization through the edge posterior, the default), hierbayes_cloud
 # (the same fit under psi*), hierfavg: once per K; flat (hierbayes on one edge: the two-level
@@ -54,4 +56,5 @@ for s in $settings; do
       done
     done
   done
-done | xargs -P "${JOBS:-1}" -L 1 bash "$(dirname "$0")/../grid/run_one.sh"
+done | if [[ -n ${DRY:-} ]]; then cat; else
+  xargs -P "${JOBS:-1}" -L 1 bash "$(dirname "$0")/../grid/run_one.sh"; fi
