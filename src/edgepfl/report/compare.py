@@ -121,11 +121,11 @@ def check_runnable(configs: dict[str, Config]) -> None:
     the comparison before the others have spent their time."""
     from edgepfl.engine.parts import Parts
     from edgepfl.errors import ConfigError
-    from edgepfl.report.runs import _federation_of
+    from edgepfl.report.runs import federation_of
 
     for name, cfg in configs.items():
         try:
-            federation = _federation_of(cfg)
+            federation = federation_of(cfg)
             Parts.build(cfg, federation["dataset"], federation["partition"].num_clients)
         except ConfigError as exc:
             raise ConfigError(f"{name} cannot run in this comparison: {exc}") from None

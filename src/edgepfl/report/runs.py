@@ -176,7 +176,10 @@ def _start_worker(threads: int, log_level: str | None) -> None:
 _federation: dict = {}
 
 
-def _federation_of(cfg: Config) -> dict:
+def federation_of(cfg: Config) -> dict:
+    """The data set and partition a run of ``cfg`` trains on, as ``Simulation`` keyword
+    arguments; kept for the next call with the same data settings and seed, so that the
+    runs of a comparison or a search load and split the data once."""
     from edgepfl.data import dataset_of, partition_of
 
     d, p = cfg.dataset, cfg.partition
@@ -200,7 +203,7 @@ def _attempt(run_dir: str, config: dict, progress: bool | None) -> Finished | st
     path = Path(run_dir)
     try:
         cfg = build_config(config)
-        data = _federation_of(cfg)
+        data = federation_of(cfg)
         if (path / "config.json").exists():
             result = resume_run(path, cfg, progress=progress, **data)
         else:

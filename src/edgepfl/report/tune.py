@@ -441,7 +441,7 @@ def _run_trial(study, trial, params: dict, base: dict, folder: Path,
     from optuna.trial import TrialState
 
     from edgepfl.engine.simulation import Simulation, resolve
-    from edgepfl.report.runs import _federation_of
+    from edgepfl.report.runs import federation_of
 
     name = f"trial-{trial.number:04d}"
     trial.set_user_attr("run_dir", name)
@@ -457,7 +457,7 @@ def _run_trial(study, trial, params: dict, base: dict, folder: Path,
             raise EdgepflError(f"{run_dir} already holds a run, not one of this study's trials; "
                                "choose another --study")
         run_dir.mkdir(parents=True, exist_ok=True)
-        result = Simulation(cfg, run_dir, progress=progress, **_federation_of(cfg)).run([hook])
+        result = Simulation(cfg, run_dir, progress=progress, **federation_of(cfg)).run([hook])
     except optuna.TrialPruned:
         trial.set_user_attr("rounds", hook.round)
         study.tell(trial, state=TrialState.PRUNED)
@@ -562,7 +562,7 @@ def tune(base: Config, algorithm: str, trials: int, study: Path | None = None, *
     best.json's content."""
     _check_request(base, algorithm, trials, seed, jobs, pruner)
     from edgepfl.engine.parts import resolve
-    from edgepfl.report.runs import _federation_of
+    from edgepfl.report.runs import federation_of
 
     if "name" in base.algorithm.model_fields_set and base.algorithm.name != algorithm:
         raise ConfigError(f"the configuration names algorithm.name = {base.algorithm.name!r} "
@@ -571,7 +571,7 @@ def tune(base: Config, algorithm: str, trials: int, study: Path | None = None, *
     data["algorithm"] = {**data["algorithm"], "name": algorithm}
     # the base itself first, so that its mistakes are not blamed on a range of the space;
     # and its data, which every trial loads (a missing data set fails here, not N times)
-    _federation_of(resolve(build_config(data)))
+    federation_of(resolve(build_config(data)))
     searched = search_space(data, algorithm, parse_space(space), fixed)
     folder, db = study_location(study, algorithm)
     try:
