@@ -269,6 +269,7 @@ def test_mnist_and_fashion_mnist_are_each_others_public_set(shared_data):
     (["algorithm.public_dataset=synthetic"], "dataset.name itself"),
     (["algorithm.public_dataset=mnist"], r"1x28x28 images but dataset.name = 'synthetic' has 1x8x8"),
     (["algorithm.public_dataset=imagenet"], "not a known data set"),
+    (["algorithm.public_dataset=npz"], r"reads dataset.path.*valid public sets: mnist, fmnist"),
     (["dataset.name=cifar10"], "no default for dataset.name = 'cifar10'"),
     (["algorithm.digest_loss=kl"], "digest_loss"),
 ])

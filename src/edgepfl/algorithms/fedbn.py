@@ -30,6 +30,7 @@ from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.algorithms.kit import fit
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
+from edgepfl.models.zoo import MODELS
 
 
 class FedBNHyperparameters(Hyperparameters):
@@ -61,9 +62,9 @@ class FedBNServer(FedAvgServer):
         local = set(batchnorm_names(ctx.layers))
         if not local:
             # allowed (FedBN is then FedAvg, which tests rely on) but rarely what a user meant
+            models = ", ".join(m for m in MODELS if m.endswith("_bn"))
             warnings.warn("fedbn: the model has no BatchNorm layers, so FedBN is plain FedAvg; "
-                          "choose a BatchNorm model (model.name=cnn2_bn or cnn_small_bn)",
-                          stacklevel=2)
+                          f"choose a BatchNorm model (model.name: {models})", stacklevel=2)
         self.global_model = {k: v for k, v in self.global_model.items() if k not in local}
 
 

@@ -55,12 +55,14 @@ from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.devices import to_device
 from edgepfl.algorithms.kit import fit
 from edgepfl.algorithms.sgd import sgd_step
-from edgepfl.data.datasets import DATASETS, Dataset, load_dataset, resolve_data_root
+from edgepfl.data.datasets import DATASETS, OWN_DATASETS, Dataset, load_dataset, resolve_data_root
 from edgepfl.errors import ConfigError
 from edgepfl.federation.accounting import counted_once, counter_aside
 from edgepfl.federation.messages import Message, MessageError, check_message, like
 from edgepfl.federation.rng import derive_seed, generator
 
+# the data sets a party can load by name alone (the own-data formats read dataset.path)
+PUBLIC_SETS = tuple(n for n in DATASETS if n not in OWN_DATASETS)
 PAPER_SUBSET = 5000  # public samples per round in the paper (and N_alignment in its code)
 
 # Default public set for a private one: MNIST and Fashion-MNIST stand in for each other
@@ -171,10 +173,13 @@ def complete(cfg, hp: FedMDHyperparameters) -> FedMDHyperparameters:
     if name is None:
         raise ConfigError(f"fedmd needs a public data set: set algorithm.public_dataset (there "
                           f"is no default for dataset.name = {private!r}; valid: "
-                          f"{', '.join(DATASETS)}, with the private images' shape)")
+                          f"{', '.join(PUBLIC_SETS)}, with the private images' shape)")
+    if name in OWN_DATASETS:
+        raise ConfigError(f"algorithm.public_dataset = {name!r} reads dataset.path, which holds "
+                          f"the clients' private data; valid public sets: {', '.join(PUBLIC_SETS)}")
     if name not in DATASETS:
         raise ConfigError(f"algorithm.public_dataset = {name!r} is not a known data set; valid: "
-                          f"{', '.join(DATASETS)}")
+                          f"{', '.join(PUBLIC_SETS)}")
     if name == private:
         raise ConfigError(f"algorithm.public_dataset = {name!r} is dataset.name itself: its "
                           f"training set holds the clients' private samples, which cannot be "
