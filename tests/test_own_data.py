@@ -3,6 +3,8 @@ client splits, feature vectors, images of several sizes, and the errors for bad 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -55,7 +57,7 @@ def test_natural_npz_split_gives_each_client_exactly_its_samples(tmp_path):
              x_test=x_test, y_test=rng.integers(0, 4, n_test), client_test=client_test)
     cfg = run_config(tmp_path / "d.npz", "partition.scheme=natural", "partition.clients=3",
                      "model.name=mlp")
-    sim = Simulation(cfg, progress=False)
+    sim = Simulation(cfg, tmp_path / "run", progress=False)
     assert sim.dataset.clients == ("ann", "bob", "cy")
     for i, who in enumerate(sim.dataset.clients):
         assert sorted(sample_ids(sim.dataset.x_train[sim.partition.train[i]])) == \
@@ -64,6 +66,9 @@ def test_natural_npz_split_gives_each_client_exactly_its_samples(tmp_path):
             (100 + np.flatnonzero(client_test == who)).tolist()
     result = sim.run()
     assert len(result.metrics) == 1
+    written = json.loads((tmp_path / "run" / "partition.json").read_text())["clients"]
+    assert [row["name"] for row in written] == ["ann", "bob", "cy"]
+    assert [row["train_size"] for row in written] == [30, 30, 30]
 
 
 def test_natural_split_without_a_test_split_holds_out_each_clients_share(tmp_path):

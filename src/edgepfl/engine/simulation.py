@@ -303,6 +303,10 @@ class Simulation:
         write_json(out / "config.json", self.cfg.model_dump())
         part = self.partition.to_json(self.dataset.y_train, self.dataset.y_test)
         part["layers"] = self.layers.to_json()
+        if self.cfg.partition.scheme == "natural" and self.dataset.clients:
+            # client i is the data's i-th client name (sorted): a report can say whose it is
+            for row, name in zip(part["clients"], self.dataset.clients, strict=True):
+                row["name"] = name
         if self.cfg.eval.validation:
             part["validation"] = self.cfg.eval.validation
             for row, val in zip(part["clients"], self.val_data, strict=True):
