@@ -13,10 +13,12 @@ from edgepfl.algorithms.clusterfl import ClusterFLClient
 from edgepfl.algorithms.dcpfl import DCPFLClient
 from edgepfl.algorithms.fedamp import FedAMPClient
 from edgepfl.algorithms.fedavg import FedAvgClient
+from edgepfl.algorithms.fedper import FedPerClient
 from edgepfl.algorithms.fedprox import FedProxClient
 from edgepfl.algorithms.kapc import KAPCBLSClient, KAPCClient
 from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.algorithms.moon import MOONClient
+from edgepfl.algorithms.pfedla import PFedLAClient
 from edgepfl.algorithms.pulls import Pull
 from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.algorithms.trainer import Trainer
@@ -127,7 +129,7 @@ def test_only_clients_whose_update_is_their_fit_request_are_batched():
         return cls.__new__(cls)
 
     for cls in (FedAvgClient, FedProxClient, KAPCClient, KAPCBLSClient, DCPFLClient,
-                FedAMPClient, ClusterFLClient):
+                FedAMPClient, ClusterFLClient, FedPerClient, PFedLAClient):
         assert states_fit(bare(cls)), cls
     assert not states_fit(bare(RewritesUpdate))
     assert not states_fit(bare(MOONClient))  # its loss runs two more models: no FitRequest
@@ -148,6 +150,8 @@ CASES = {
     "dcpfl": [],  # its trial rounds train two models: those clients run whole
     "fedamp": [],
     "clusterfl": [],  # warm-up rounds without a hook, then ADMM rounds with one
+    "fedper": [],  # the head stays in the client's state, the base goes back
+    "pfedla": [],
     "moon": [],  # states no fit request: trains one client after another
 }
 

@@ -37,7 +37,8 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import fit
+from edgepfl.algorithms.kit import sgd_request
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
@@ -79,6 +80,8 @@ class FedPerServer(FedAvgServer):
 
 
 class FedPerClient(Client):
+    batchable = True  # the update is one plain fit: run_update of the two below
+
     def __init__(self, ctx: ClientContext, hp: FedPerHyperparameters):
         super().__init__(ctx, hp)
         self.personal = personal_names(ctx.layers, hp.personal_layers)
@@ -89,12 +92,15 @@ class FedPerClient(Client):
         # every client's personalization layers start from the one seeded initial model
         return {PERSONAL + n: init_model[n].clone() for n in self.personal}
 
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
-        self.trainer.load(self.personal_model(state, msg))
-        stats = fit(self, data, gen)
-        reply = Message(self.trainer.export(self.base), {"num_samples": data.n})
-        kept = {PERSONAL + n: v for n, v in self.trainer.export(self.personal).items()}
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
+        # the whole model trains from the global base and the client's own head
+        return sgd_request(self, self.personal_model(state, msg), data, gen)
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        reply = Message({n: trained[n] for n in self.base}, {"num_samples": data.n})
+        kept = {PERSONAL + n: trained[n] for n in self.personal}
         return UpdateResult(reply, kept, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:

@@ -36,7 +36,8 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import fit
+from edgepfl.algorithms.kit import sgd_request
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.federation.messages import Message, MessageError, check_message
 from edgepfl.federation.rng import derive_seed
 
@@ -194,6 +195,8 @@ class PFedLAServer(Server):
 
 
 class PFedLAClient(PersonalModelClient):
+    batchable = True  # the update is one plain fit from the server's aggregate
+
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if self.hp.evaluate == "aggregate":
             if eval_msg is None:
@@ -201,12 +204,13 @@ class PFedLAClient(PersonalModelClient):
             return eval_msg.tensors
         return super().personal_model(state, eval_msg)
 
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
-        self.trainer.load(msg.tensors)
-        stats = fit(self, data, gen)
-        model = self.trainer.export()
-        return UpdateResult(Message(model), model_to_state(model), stats)
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
+        return sgd_request(self, msg.tensors, data, gen)
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        return UpdateResult(Message(trained), model_to_state(trained), stats)
 
 
 ALGORITHM = Algorithm(
