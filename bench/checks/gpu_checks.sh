@@ -25,8 +25,11 @@ step() {  # step NAME COMMAND...: the command's output to the screen and to $out
 }
 step scale_fedavg python "$bench/speed/scale.py" --clients 100 --algorithms fedavg --rounds 5 \
     --modes seq cuda cuda-vmap --set system.count_flops=false train.local_epochs=5
+# every algorithm whose client declares itself batchable (the others: docs/architecture.md)
+batchable=$(python -c "from edgepfl.algorithms import ALGORITHMS as A
+print(' '.join(n for n, a in sorted(A.items()) if a.client.batchable))")
 step device_check_batched python "$bench/checks/device_check.py" \
-    --algorithms fedavg fedprox local kapc dcpfl --rounds 3 \
+    --algorithms $batchable --rounds 3 \
     --gpu-set train.batch_clients=true --out "$out/device_check_batched.json"
 step scale_kapc_dcpfl python "$bench/speed/scale.py" --clients 100 --algorithms kapc dcpfl --rounds 4 \
     --modes seq cuda cuda-vmap --set system.count_flops=false train.local_epochs=5
