@@ -5,6 +5,7 @@
 # protocol without the pull), hierbayes with the fit under psi* (personalize=cloud).
 #
 #   bench/papers/hier_reevaluate.sh [ROOT] >> ROOT/reevaluated.jsonl   (default runs/hier3)
+#   ONLY=finetune (or cloud) re-scores only that protocol's runs.
 # A run already in ROOT/reevaluated.jsonl with the same settings is skipped.
 set -uo pipefail
 root=${1:-runs/hier3}
@@ -15,9 +16,11 @@ for run in "$root"/*/*/; do
   [[ -f $run/summary.json && -f $run/checkpoint.safetensors ]] || continue
   name=$(basename "$run")
   case $name in
-    hierfavg*|fedavg*) sets=(--set algorithm.evaluate=finetune) ;;
+    hierfavg*|fedavg*) [[ ${ONLY:-finetune} == finetune ]] || continue
+      sets=(--set algorithm.evaluate=finetune) ;;
     hierbayes+topology.edges=1-*) continue ;;  # one edge: cloud and edge_posterior coincide
-    hierbayes*) [[ $name == *personalize=* ]] && continue; sets=(--set algorithm.personalize=cloud) ;;
+    hierbayes*) [[ $name == *personalize=* || ${ONLY:-cloud} != cloud ]] && continue
+      sets=(--set algorithm.personalize=cloud) ;;
     *) continue ;;
   esac
   grep -qF "\"run\": \"$run\", \"round\": 20, \"settings\": [\"${sets[1]}\"]" "$done_file" && continue
