@@ -19,6 +19,7 @@ for run in "$root"/*/*/; do
     hierfavg*|fedavg*) [[ ${ONLY:-finetune} == finetune ]] || continue
       sets=(--set algorithm.evaluate=finetune) ;;
     hierbayes+topology.edges=1-*) continue ;;  # one edge: cloud and edge_posterior coincide
+    *optimizer=adam*) continue ;;  # the Adam pair is compared as trained
     hierbayes*) [[ $name == *personalize=* || ${ONLY:-cloud} != cloud ]] && continue
       sets=(--set algorithm.personalize=cloud) ;;
     *) continue ;;
