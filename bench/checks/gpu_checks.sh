@@ -37,4 +37,6 @@ step device_check_disk python "$bench/checks/device_check.py" --algorithms kapc 
     --gpu-set train.store=disk --out "$out/device_check_disk.json"
 step vmap_step python "$bench/speed/vmap_step.py" --device cuda --clients 10 --steps 50 --batch 32 \
     --repeats 3
+step eval_batched python "$bench/speed/eval_batched.py" --device cuda --clients 100 --samples 50 \
+    --chunk 100 --repeats 5
 [ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }
