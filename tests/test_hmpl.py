@@ -105,7 +105,8 @@ def _ranked(*overrides: str, times=TIMES):
 
 
 def test_round_one_times_split_the_clients_3_4_3_slowest_to_com_ties_by_id():
-    _, server = _ranked()
+    # com_align = kept: conv3 goes to a Com client until its reply (fit: every Com round)
+    _, server = _ranked("algorithm.com_align=kept")
     # by (time, id): 1 5 2 | 3 7 9 0 | 6 8 4 -- clients 2, 3 and 7 tie at 3.0
     assert server.tiers == ["ord", "sup", "sup", "ord", "com", "sup", "com", "ord", "com", "ord"]
     assert server.thresholds == {"lower": 3.0, "upper": 6.0}
@@ -180,7 +181,7 @@ def _empty(data: ClientData) -> ClientData:
 
 def test_the_client_shrinks_grows_and_keeps_its_ip_layers_as_told():
     # random: each client's own draw (generation is tested below)
-    sim = _sim(*HMPL, "algorithm.generation=random")
+    sim = _sim(*HMPL, "algorithm.generation=random", "algorithm.com_align=kept")
     client: HMPLClient = sim.client
     server = sim.server
     data = _empty(sim.train_data[0])  # no step: what is loaded is what comes out
@@ -521,10 +522,11 @@ def _told(server, stage: int, cids) -> dict[int, Message]:
     return server.configure(2, list(cids))
 
 
-def _generated(mode: str, stage: int, cids=(0, 1, 2)) -> tuple[Simulation, dict[int, dict]]:
+def _generated(mode: str, stage: int, cids=(0, 1, 2),
+               *overrides: str) -> tuple[Simulation, dict[int, dict]]:
     """Each of ``cids``' state right after it turned from Ord into ``stage`` (no SGD step:
     its data is empty)."""
-    sim = _sim(*HMPL, f"algorithm.generation={mode}")
+    sim = _sim(*HMPL, f"algorithm.generation={mode}", *overrides)
     down = _told(sim.server, stage, cids)
     gen = torch.Generator()
     states = {c: sim.client.update(c, down[c], sim.client.init_state(c, {}),
@@ -590,7 +592,8 @@ def test_every_client_of_a_tier_starts_with_the_same_added_layers_but_under_rand
 
 
 def test_preserve_sends_conv3_until_the_com_reply_arrives_and_needs_it_to_shrink():
-    sim, _ = _generated("preserve", COM, cids=(0,))
+    # under com_align = kept: fit sends conv3 every Com round and refits the aligner to it
+    sim, _ = _generated("preserve", COM, (0,), "algorithm.com_align=kept")
     server, client = sim.server, sim.client
     data, gen = _empty(sim.train_data[0]), torch.Generator()
     down = server.configure(2, [0, 1])
@@ -685,7 +688,8 @@ def test_com_align_fit_refits_ip_align_to_the_servers_conv3_before_each_com_roun
     from edgepfl.algorithms.trainer import Trainer
     from edgepfl.models.hmpl import fitted_align
 
-    sim = _sim(*HMPL, "algorithm.com_align=fit")
+    sim = _sim(*HMPL)  # fit is the default
+    assert sim.server.hp.com_align == "fit"
     server, client, gen = sim.server, sim.client, torch.Generator()
     loaded = []  # ip_align as training starts, then SGD skipped
     monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: (
@@ -711,8 +715,8 @@ def test_com_align_fit_refits_ip_align_to_the_servers_conv3_before_each_com_roun
                       after[0].meta)
     with pytest.raises(MessageError, match="com_align = 'fit'"):
         client.update(0, without, first.state, sim.train_data[0], gen)
-    # kept (the default): conv3 stops once the Com reply is in, and the aligner is the client's
-    kept = _sim(*HMPL)
+    # kept: conv3 stops once the Com reply is in, and the aligner is the client's
+    kept = _sim(*HMPL, "algorithm.com_align=kept")
     down = _told(kept.server, COM, [0])
     done = kept.client.update(0, down[0], kept.client.init_state(0, {}), _empty(kept.train_data[0]), gen)
     kept.server.aggregate(2, {0: done.reply})

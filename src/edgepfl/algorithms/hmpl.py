@@ -129,7 +129,7 @@ class HMPLHyperparameters(Hyperparameters):
         "by an original model'); shared = one random draw per tier, seeded without the "
         "client; random = a draw per client (runs before this setting)")
     com_align: Literal["kept", "fit"] = Field(
-        "kept", description="a Com client's ip_align after its generation: kept = its own, "
+        "fit", description="a Com client's ip_align after its generation: kept = its own, "
         "trained only on its own rounds while the shared layers around it move on; fit = "
         "at the start of each of its rounds, refitted by least squares on align_images of "
         "its images so that it gives the server's current conv3 (sent with the Com model, "
