@@ -15,6 +15,7 @@ from edgepfl.algorithms.fedamp import FedAMPClient
 from edgepfl.algorithms.fedavg import FedAvgClient
 from edgepfl.algorithms.fedper import FedPerClient
 from edgepfl.algorithms.fedprox import FedProxClient
+from edgepfl.algorithms.hmpl import HMPLClient, HMPLSClient
 from edgepfl.algorithms.kapc import KAPCBLSClient, KAPCClient
 from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.algorithms.moon import MOONClient
@@ -129,7 +130,8 @@ def test_only_clients_whose_update_is_their_fit_request_are_batched():
         return cls.__new__(cls)
 
     for cls in (FedAvgClient, FedProxClient, KAPCClient, KAPCBLSClient, DCPFLClient,
-                FedAMPClient, ClusterFLClient, FedPerClient, PFedLAClient):
+                FedAMPClient, ClusterFLClient, FedPerClient, PFedLAClient, HMPLClient,
+                HMPLSClient):
         assert states_fit(bare(cls)), cls
     assert not states_fit(bare(RewritesUpdate))
     assert not states_fit(bare(MOONClient))  # its loss runs two more models: no FitRequest
@@ -165,6 +167,29 @@ CASES = {
 STATE_ATOL = {"clusterfl": 1e-4, "fedavg-local": 1e-4, "dcpfl": 1e-4, "kapc_bls": 1e-3}
 
 
+def assert_same_run(seq: Simulation, bat: Simulation, atol: float) -> None:
+    """The batched run's metrics are the sequential run's (within float tolerance), and so
+    are every client's state and the server's."""
+    for ra, rb in zip(without_wall(seq.metrics), without_wall(bat.metrics), strict=True):
+        assert ra.keys() == rb.keys()
+        for k, va in ra.items():
+            vb = rb[k]
+            if isinstance(va, float) and math.isnan(va):
+                assert math.isnan(vb), k
+            elif isinstance(va, float):
+                assert vb == pytest.approx(va, rel=1e-4, abs=1e-6), k
+            else:
+                assert va == vb, k
+    for a, b in ((seq.clients.state_dict("c/"), bat.clients.state_dict("c/")),
+                 (seq.server.save_state()[0], bat.server.save_state()[0])):
+        assert a.keys() == b.keys()
+        for k in a:
+            if a[k].is_floating_point():
+                assert torch.allclose(a[k], b[k], atol=atol), k
+            else:
+                assert torch.equal(a[k], b[k]), k
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_batched_clients_give_the_sequential_runs_metrics(case, monkeypatch):
     batched_steps = []
@@ -188,24 +213,7 @@ def test_batched_clients_give_the_sequential_runs_metrics(case, monkeypatch):
     else:
         # round 1 counts each client's FLOPs alone; later rounds batch all six clients
         assert batched_steps and all(n == 6 for n in batched_steps)
-    for ra, rb in zip(without_wall(seq.metrics), without_wall(bat.metrics), strict=True):
-        assert ra.keys() == rb.keys()
-        for k, va in ra.items():
-            vb = rb[k]
-            if isinstance(va, float) and math.isnan(va):
-                assert math.isnan(vb), k
-            elif isinstance(va, float):
-                assert vb == pytest.approx(va, rel=1e-4, abs=1e-6), k
-            else:
-                assert va == vb, k
-    for a, b in ((seq.clients.state_dict("c/"), bat.clients.state_dict("c/")),
-                 (seq.server.save_state()[0], bat.server.save_state()[0])):
-        assert a.keys() == b.keys()
-        for k in a:
-            if a[k].is_floating_point():
-                assert torch.allclose(a[k], b[k], atol=STATE_ATOL.get(case, 1e-5)), k
-            else:
-                assert torch.equal(a[k], b[k]), k
+    assert_same_run(seq, bat, STATE_ATOL.get(case, 1e-5))
 
 
 def test_batched_clients_and_worker_processes_are_one_or_the_other():
@@ -278,3 +286,42 @@ def test_round_1_counts_each_kind_of_work_once_and_trains_the_rest_uncounted(mod
     assert runs["mode"] == runs["seq"]  # counted (misses) and taken (hits) alike
     assert runs["uncached"][2] == runs["seq"][2] + 4  # the four taken counts, made
     assert batched == ([4] if "batch" in mode else [])
+
+
+HMPL_CASES = {
+    # tiers from round 1's times, Com's aligner refitted (the defaults) and Sup growth
+    "hmpl": ["algorithm.name=hmpl", "model.name=hmpl_tiers", "train.rounds=4"],
+    # cropped images: batches gathered on the host, clients grouped by crop shape
+    "hmpl-crops": ["algorithm.name=hmpl", "model.name=hmpl_tiers",
+                   'dataset.aspect_ratios=["4:3","1:1"]'],
+    "hmpl_s": ["algorithm.name=hmpl_s"],
+}
+
+
+@pytest.mark.parametrize("case", list(HMPL_CASES))
+def test_hmpl_clients_batch_per_tier_and_give_the_sequential_run(case, monkeypatch):
+    """HMPL's clients train models of three shapes, each on a skeleton of its own: a
+    step's clients of one tier batch together (more than one tier batched in a run), and
+    the run ends where the sequential one does. (With crops a tier's two clients draw
+    batches of different shapes, so fewer of its steps are shared.)"""
+    batched: list[tuple[int, int]] = []
+    fit_many = Trainer.fit_many
+
+    def spy(self, reqs):
+        if self.batchable(reqs):
+            batched.append((id(self), len(reqs)))
+        return fit_many(self, reqs)
+
+    monkeypatch.setattr(Trainer, "fit_many", spy)
+    sets = ["dataset.fraction=0.1", "train.batch_size=16", *HMPL_CASES[case]]
+    runs = []
+    for batch in ("false", "true"):
+        sim = Simulation(fast_config(*sets, f"train.batch_clients={batch}"), progress=False)
+        sim.run()
+        runs.append(sim)
+    assert batched and all(n >= 2 for _, n in batched)
+    if case != "hmpl_s":
+        assert set(runs[1].server.tiers) == {"com", "ord", "sup"}
+    if case == "hmpl":
+        assert len({skeleton for skeleton, _ in batched}) >= 2
+    assert_same_run(*runs, 1e-4)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The papers' grids that do not fit the project machine, as one call on a lent device
-# machine (16 CPU cores beside its GPU): the hierarchical Bayesian Fig. 3 study's remaining
-# cells (bench/papers/hier_fig3.sh) as one-thread CPU runs side by side, and HMPL's Tables
-# IV-V with today's defaults (bench/papers/hmpl_tables.sh) on the GPU, several at a time.
+# machine (16 CPU cores beside its GPU): HMPL's Tables
+# IV-V with today's defaults (bench/papers/hmpl_tables.sh) on the GPU, several at a time,
+# each tier's clients batched (train.batch_clients); `hier` (or `both`) adds cells of the
+# hierarchical Bayesian Fig. 3 study (bench/papers/hier_fig3.sh) as one-thread CPU runs side
+# by side (its 136 runs are done: only for more seeds or settings).
 # Runs go to runs/device_grids; what comes back is one archive in $OUT (the device call's
 # folder returns at most 8 files) of every finished run's figures, without checkpoints. A run
 # cut off by LIMIT (seconds) is lost.
@@ -13,15 +15,15 @@
 #     mkdir -p .devdata && cp -r ../shared/data/MNIST ../shared/data/FashionMNIST .devdata/
 #     echo /.devdata/ >> .git/info/exclude
 # then, as the device call (carry [".devdata"], timeout_s 600):
-#     EDGEPFL_DATA=.devdata LIMIT=540 bash bench/checks/device_grids.sh [hier|hmpl|both]
+#     EDGEPFL_DATA=.devdata LIMIT=540 bash bench/checks/device_grids.sh [hmpl|hier|both]
 # HIER_SEEDS and HIER_SETTINGS choose the hierarchical cells (default: seeds "1 2" of
-# "mnist:pathological fmnist:dirichlet", which the project machine did not reach).
+# "mnist:pathological fmnist:dirichlet").
 #
 # Back on the project machine: copy $OUT's runs under runs/, collect them
 # (bench/papers/collect_hier.py, collect_hmpl.py), keep them (bench/grid/keep_results.py)
 # and say in bench/papers/README.md which machine ran which cells.
 set -uo pipefail
-what=${1:-both}
+what=${1:-hmpl}
 back=${OUT:-runs/device_grids_out}
 out=runs/device_grids
 limit=${LIMIT:-540}
@@ -43,7 +45,7 @@ if [[ $what == hier || $what == both ]]; then
 fi
 if [[ $what == hmpl || $what == both ]]; then
   python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')" &&
-  ( OUT="$out/hmpl" JOBS=3 EVERY=5 HORIZON=800 EXTRA="train.device=cuda" \
+  ( OUT="$out/hmpl" JOBS=3 EVERY=5 HORIZON=800 EXTRA="train.device=cuda train.batch_clients=true" \
       timeout $((limit - 20)) bash "$here/papers/hmpl_tables.sh" 100 mnist "v iv" "0 1 2" \
       "hmpl hmpl_s" > "$out/hmpl.log" 2>&1 ) &
 fi

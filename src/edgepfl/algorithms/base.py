@@ -409,7 +409,8 @@ class Client(ABC):
         request = self.fit_request(cid, msg, state, data, gen)
         if request is None:
             return self.idle(cid, msg, state)
-        return self.finish(cid, msg, state, data, *self.trainer.run(request))
+        trainer = request.trainer or self.trainer
+        return self.finish(cid, msg, state, data, *trainer.run(request))
 
     @abstractmethod
     def personal_model(self, state: State, eval_msg: Message | None) -> State: ...

@@ -61,6 +61,7 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.kit import num_samples
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.algorithms.trainer import Trainer
 from edgepfl.data.aspect import shape_groups
 from edgepfl.errors import ConfigError
@@ -592,6 +593,7 @@ class HMPLClient(Client):
     state: ``stage`` (-1 Com, 0 Ord, k Sup at depth k) and its IP layers by name."""
 
     reduced: ClassVar[bool] = False
+    batchable: ClassVar[bool] = True
 
     def __init__(self, ctx: ClientContext, hp: HMPLHyperparameters | HMPLSHyperparameters):
         super().__init__(ctx, hp)
@@ -637,8 +639,11 @@ class HMPLClient(Client):
             module.reset_parameters()
         return {f"{layer}.{n}": p.detach() for n, p in module.named_parameters()}
 
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
+        """The tier model the server asks for (grown or shrunk to it, its added layers
+        started as ``generation`` says, Com's aligner refitted under ``com_align = fit``),
+        trained on that tier's skeleton: requests of one tier batch together."""
         current, target = client_stage(state), message_stage(msg)
         if self.reduced and target != ORD:
             raise MessageError(f"hmpl_s: every client holds the Ord model; the server sent "
@@ -679,14 +684,18 @@ class HMPLClient(Client):
             model.update(self.new_layer(target, layer, cid, source))
         if refit and data.n > 0:
             model.update(fitted_align({**model, **source}, align_batches(data, self.hp.align_images)))
-        trainer.load(model)
         t = self.ctx.train
-        stats = trainer.fit(data, t.local_epochs, t.batch_size, t.lr, gen,
-                            momentum=t.momentum, weight_decay=t.weight_decay)
-        trained = trainer.export()
-        reply = Message({n: trained[n] for n in shared}, {NUM_SAMPLES: data.n})
-        return UpdateResult(reply, {STAGE: torch.tensor(target), **{n: trained[n] for n in own}},
-                            stats)
+        return FitRequest(model, data, t.local_epochs, t.batch_size, t.lr, gen,
+                          momentum=t.momentum, weight_decay=t.weight_decay, trainer=trainer)
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        target = message_stage(msg)
+        reply = Message({n: trained[n] for n in shared_names(target, self.dims)},
+                        {NUM_SAMPLES: data.n})
+        own = {n: trained[n] for n in ip_names(target, self.dims)}
+        return UpdateResult(reply, {STAGE: torch.tensor(target), **own}, stats)
+
 
     # -- prediction -----------------------------------------------------------------------
     def on_skeleton(self, model: State, stage: int) -> State:

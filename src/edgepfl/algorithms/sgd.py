@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from edgepfl.algorithms.client_data import ClientData
+
+if TYPE_CHECKING:
+    from edgepfl.algorithms.trainer import Trainer
 
 State = dict[str, torch.Tensor]
 GradHook = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]
@@ -66,6 +70,10 @@ class FitRequest:
     momentum: float = 0.0
     weight_decay: float = 0.0
     grad_hook: GradHook | None = None
+    # the skeleton it trains on, where not the client's own (``Client.trainer``): a part
+    # whose clients hold models of several shapes (HMPL's tiers) keeps one per shape, and
+    # the engine batches requests of one skeleton together
+    trainer: Trainer | None = None
 
     def epochs_of_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches ``fit`` draws, in its order, from the request's own generator."""

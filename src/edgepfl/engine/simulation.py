@@ -161,7 +161,7 @@ class InProcess(Transport):
 
     def _train_batched(self, tasks: list[tuple]) -> list[tuple]:
         """``_worker_task`` of every task, the fits of clients that state them
-        (``Client.fit_request``) batched per architecture (``Trainer.fit_many``). A client
+        (``Client.fit_request``) batched per skeleton (``Trainer.fit_many``). A client
         whose FLOPs are to be counted (the first of its kind in the step) trains alone
         under the meter, so that counts stay those of one client's training."""
         out: dict[int, tuple] = {}
@@ -176,11 +176,14 @@ class InProcess(Transport):
             if request is None:
                 out[cid] = self._worker_task(task)
             else:
-                waiting.setdefault(self.arch[cid], []).append((cid, msg, state, request))
-        for arch, jobs in waiting.items():
-            part = self.parts[arch]
-            trained = part.trainer.fit_many([request for *_, request in jobs])
-            for (cid, msg, state, _), (weights, stats) in zip(jobs, trained, strict=True):
+                # one group per skeleton: a part may train models of several shapes
+                trainer = request.trainer or part.trainer
+                waiting.setdefault((self.arch[cid], id(trainer)), []).append(
+                    (cid, msg, state, request, trainer))
+        for (arch, _), jobs in waiting.items():
+            part, trainer = self.parts[arch], jobs[0][-1]
+            trained = trainer.fit_many([job[3] for job in jobs])
+            for (cid, msg, state, *_), (weights, stats) in zip(jobs, trained, strict=True):
                 result = part.finish(cid, msg, state, self.train_data[cid], weights, stats)
                 out[cid] = (cid, result.state, result.reply, result.stats, None)
         return [out[task[2]] for task in tasks]
