@@ -20,6 +20,7 @@ from edgepfl.algorithms.kapc import KAPCBLSClient, KAPCClient
 from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.algorithms.moon import MOONClient
 from edgepfl.algorithms.pfedla import PFedLAClient
+from edgepfl.algorithms.pfedme import PFedMeClient
 from edgepfl.algorithms.pulls import Pull
 from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.algorithms.trainer import Trainer
@@ -131,7 +132,7 @@ def test_only_clients_whose_update_is_their_fit_request_are_batched():
 
     for cls in (FedAvgClient, FedProxClient, KAPCClient, KAPCBLSClient, DCPFLClient,
                 FedAMPClient, ClusterFLClient, FedPerClient, PFedLAClient, HMPLClient,
-                HMPLSClient):
+                HMPLSClient, PFedMeClient):
         assert states_fit(bare(cls)), cls
     assert not states_fit(bare(RewritesUpdate))
     assert not states_fit(bare(MOONClient))  # its loss runs two more models: no FitRequest
@@ -155,6 +156,8 @@ CASES = {
     "fedper": [],  # the head stays in the client's state, the base goes back
     "pfedla": [],
     "moon": [],  # states no fit request: trains one client after another
+    # K steps on each batch, then w_i's step: the pull's anchor moves after every batch
+    "pfedme": ["algorithm.K=3"],
 }
 
 

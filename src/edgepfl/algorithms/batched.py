@@ -21,7 +21,7 @@ from edgepfl.algorithms.sgd import FitRequest, GradHook, State, fit_stats, sgd_u
 class _Stack:
     """The clients of a ``fit_many``, stacked ``[clients, ...]`` on the device: their
     weights and momentum buffers, their SGD settings (one for all) and each one's
-    gradient hook (``pull``: all of them as one, where they are all pulls)."""
+    gradient hook (``pull``: all of them as one, where they are all pulls of one kind)."""
 
     names: list[str]
     weights: State
@@ -29,6 +29,7 @@ class _Stack:
     lr: float
     momentum: float
     weight_decay: float
+    repeat: int
     hooks: list[GradHook | None]
     pull: Pull | None
 
@@ -39,8 +40,8 @@ class _Stack:
         # a buffer starts at zero, so its first step is the gradient itself
         bufs = {n: torch.zeros_like(t) for n, t in weights.items()} if first.momentum else None
         hooks = [r.grad_hook for r in requests]
-        return cls(names, weights, bufs, first.lr, first.momentum, first.weight_decay, hooks,
-                   Pull.stacked(hooks))
+        return cls(names, weights, bufs, first.lr, first.momentum, first.weight_decay,
+                   first.repeat, hooks, Pull.stacked(hooks))
 
     def take(self, rows: torch.Tensor) -> State:
         """The weights of the clients at ``rows`` (a copy)."""
@@ -74,6 +75,21 @@ class _Stack:
                     for n, t in zip(names, b, strict=True):
                         bufs[n][rows] = t
 
+    def advance(self, members: list[int], rows: torch.Tensor | slice, params: State) -> None:
+        """After a batch, the moving anchors of the clients ``members`` (``Pull.follow``)
+        step towards their weights ``params``, as ``fit`` moves each one's."""
+        p = [params[n] for n in self.names]
+        if self.pull is not None:
+            if self.pull.follow:
+                part = self.pull.rows(rows)
+                part.advance(p)
+                self.pull.put(rows, part)
+            return
+        for j, i in enumerate(members):
+            advance = getattr(self.hooks[i], "advance", None)
+            if advance is not None:
+                advance([t[j] for t in p])
+
 
 class BatchedTraining:
     """``Trainer``'s fits of several clients at once, on the skeleton ``Trainer`` holds."""
@@ -89,7 +105,7 @@ class BatchedTraining:
 
     def batchable(self, requests: Sequence[FitRequest]) -> bool:
         """Whether ``fit_many`` can batch ``requests``: two or more, of this model's
-        parameters, one learning rate, momentum and weight decay, and a model whose train
+        parameters, one learning rate, momentum, weight decay and ``repeat``, and a model whose train
         mode keeps no per-client buffers or randomness (BatchNorm's statistics, dropout)."""
         if len(requests) < 2 or self.buffers:
             return False
@@ -97,8 +113,9 @@ class BatchedTraining:
             return False
         first = requests[0]
         names = set(self.param_names)
-        return all(set(r.weights) == names and (r.lr, r.momentum, r.weight_decay)
-                   == (first.lr, first.momentum, first.weight_decay) for r in requests)
+        return all(set(r.weights) == names and (r.lr, r.momentum, r.weight_decay, r.repeat)
+                   == (first.lr, first.momentum, first.weight_decay, first.repeat)
+                   for r in requests)
 
     def fit_many(self, requests: Sequence[FitRequest]) -> list[tuple[State, dict[str, float]]]:
         """``run`` of every request, their SGD steps batched with ``torch.func.vmap``.
@@ -140,13 +157,17 @@ class BatchedTraining:
                 rows = slice(None) if whole else to_device(torch.tensor(members), self.device)
                 params = stack.weights if whole else stack.take(rows)
                 x, y = inputs([drawn[i] for i in members])
-                grads, losses = step(params, x, y)
-                stack.update(members, rows, params, grads)
+                for _ in range(stack.repeat):
+                    grads, losses = step(params, x, y)
+                    stack.update(members, rows, params, grads)
+                stack.advance(members, rows, params)
                 with torch.no_grad():
                     loss_sum[rows] += losses * y.shape[1]
                 for i in members:
                     seen[i] += int(y.shape[1])
                     steps[i] += 1
+        if stack.pull is not None:
+            stack.pull.unstack(stack.hooks)
         return [({n: host(stack.weights[n][i]) for n in names},
                  fit_stats(float(loss_sum[i]), seen[i], steps[i])) for i in range(k)]
 

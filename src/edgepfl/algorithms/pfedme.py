@@ -26,12 +26,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator
 
 from edgepfl.algorithms.base import (
     Algorithm,
     Client,
+    ClientContext,
     Hyperparameters,
     LogUniform,
     PrivacySupport,
@@ -43,9 +43,10 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import to_device
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import average_models, proximal_hook
+from edgepfl.algorithms.kit import average_models
+from edgepfl.algorithms.pulls import Pull
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 
@@ -99,46 +100,37 @@ class PFedMeServer(FedAvgServer):
 
 
 class PFedMeClient(Client):
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
+    """Algorithm 1's client: for each batch, K steps of the personalized model theta on
+    f_i(theta) + lamda/2 ||theta - w_i||^2 (at ``personal_lr``), then w_i's step towards
+    theta, w_i -= lr lamda (w_i - theta). As a fit: theta is the trained model, w_i the
+    anchor of its pull, moved after each batch (``Pull.follow``), so clients batch."""
+
+    batchable: ClassVar[bool] = True
+
+    def __init__(self, ctx: ClientContext, hp: PFedMeHyperparameters):
+        super().__init__(ctx, hp)
+        self._local: dict[int, list[torch.Tensor]] = {}  # w_i of a fit between request and finish
+
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
         hp, t, tr = self.hp, self.ctx.train, self.trainer
-        tr.load(msg.tensors)  # theta starts at the global model, as w_i does
-        model = tr.model
-        model.train()
-        names = tr.param_names
-        params = [tr.params[n] for n in names]
-        local = [msg.tensors[n].to(tr.device, copy=True) for n in names]  # w_i
-        # the anchor list is updated in place below, so the pull is always towards the
-        # current w_i
-        pull = proximal_hook(hp.lamda, local)
-        loss_sum, seen, steps = 0.0, 0, 0
-        for _ in range(t.local_epochs):
-            for xb, yb in data.batches(t.batch_size, gen):
-                xb, yb = tr.layout(xb), to_device(yb, tr.device)
-                for _ in range(hp.K):
-                    loss = F.cross_entropy(model(xb), yb)
-                    grads = torch.autograd.grad(loss, params, allow_unused=True)
-                    with torch.no_grad():
-                        grads = [g if g is not None else torch.zeros_like(p)
-                                 for p, g in zip(params, grads, strict=True)]
-                        if t.weight_decay:  # part of f_i (the authors' code has such a term)
-                            torch._foreach_add_(grads, params, alpha=t.weight_decay)
-                        pull(params, grads)
-                        torch._foreach_add_(params, grads, alpha=-hp.personal_lr)
-                with torch.no_grad():
-                    torch._foreach_add_(local, torch._foreach_sub(local, params),
-                                        alpha=-t.lr * hp.lamda)
-                loss_sum += float(loss.detach()) * yb.numel()
-                seen += yb.numel()
-                steps += 1
-        theta = tr.export()
+        # theta starts at the global model, as w_i does
+        local = [msg.tensors[n].to(tr.device, copy=True) for n in tr.param_names]
+        self._local[cid] = local
+        # weight decay is part of f_i (the authors' code has such a term); no momentum
+        return FitRequest(msg.tensors, data, t.local_epochs, t.batch_size, hp.personal_lr, gen,
+                          weight_decay=t.weight_decay, repeat=hp.K,
+                          grad_hook=Pull(hp.lamda, local, follow=t.lr * hp.lamda))
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        local = self._local.pop(cid)
         # buffers (BatchNorm statistics) are only ever updated by theta's forward passes;
         # w_i carries them as they are
-        reply = dict(theta)
-        reply.update(zip(names, (w.cpu() for w in local), strict=True))
-        stats = {"train_loss": loss_sum / max(seen, 1), "steps": float(steps),
-                 "samples": float(seen)}
-        return UpdateResult(Message(reply, {"num_samples": data.n}), model_to_state(theta), stats)
+        reply = dict(trained)
+        reply.update(zip(self.trainer.param_names, (w.cpu() for w in local), strict=True))
+        return UpdateResult(Message(reply, {"num_samples": data.n}), model_to_state(trained),
+                            stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         theta = model_from_state(state)

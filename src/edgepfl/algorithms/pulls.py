@@ -16,29 +16,62 @@ class Pull:
     """The gradient of coef/2 ||w - anchor||^2, coef (w - anchor), added in place: the
     proximal pull of FedProx, FedAMP, ClusterFL and KAPC's squared coaching loss. A
     ``GradHook`` like any other; ``fit_many`` applies the pulls of a step's clients as one
-    operation on their stacked weights instead of one per client."""
+    operation on their stacked weights instead of one per client.
+
+    ``follow`` > 0 moves the anchor towards the weights after each batch (``advance``),
+    anchor -= follow (anchor - w): pFedMe's step on the local model w_i, whose pull the
+    personalized model's inner steps feel."""
 
     coef: float
     anchor: Sequence[torch.Tensor]
+    follow: float = 0.0
 
     def __call__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         diffs = torch._foreach_sub(list(params), list(self.anchor))
         torch._foreach_add_(list(grads), diffs, alpha=self.coef)
 
+    @torch.no_grad()
+    def advance(self, params: Sequence[torch.Tensor]) -> None:
+        """The anchor's step after a batch (in place; nothing when ``follow`` is 0)."""
+        if self.follow:
+            anchor = list(self.anchor)
+            torch._foreach_add_(anchor, torch._foreach_sub(anchor, list(params)),
+                                alpha=-self.follow)
+
     @staticmethod
     def stacked(hooks: Sequence[GradHook | None]) -> Pull | None:
         """The clients' pulls as one on their stacked weights (``[clients, ...]`` anchors),
         elementwise as each client's own, so the same bits; None unless every hook is a
-        pull of one coefficient."""
+        pull of one coefficient and one ``follow``."""
         pulls = [h for h in hooks if isinstance(h, Pull)]
-        if len(pulls) != len(hooks) or len({p.coef for p in pulls}) != 1:
+        if len(pulls) != len(hooks) or len({(p.coef, p.follow) for p in pulls}) != 1:
             return None
         return Pull(pulls[0].coef, [torch.stack(a) for a in zip(*(p.anchor for p in pulls),
-                                                                   strict=True)])
+                                                                   strict=True)],
+                    pulls[0].follow)
 
-    def rows(self, rows: torch.Tensor) -> Pull:
-        """A stacked pull for the clients at ``rows`` alone."""
-        return Pull(self.coef, [a[rows] for a in self.anchor])
+    def rows(self, rows: torch.Tensor | slice) -> Pull:
+        """A stacked pull for the clients at ``rows`` alone (a copy of their anchors
+        unless ``rows`` is every row)."""
+        if isinstance(rows, slice):
+            return self
+        return Pull(self.coef, [a[rows] for a in self.anchor], self.follow)
+
+    def put(self, rows: torch.Tensor | slice, part: Pull) -> None:
+        """Write ``part``'s anchors (``rows(rows)`` after it advanced) back to the stack."""
+        if part is not self:
+            with torch.no_grad():
+                for a, b in zip(self.anchor, part.anchor, strict=True):
+                    a[rows] = b
+
+    def unstack(self, pulls: Sequence[Pull]) -> None:
+        """Copy the stacked anchors back into each client's own ``pulls`` (where their
+        anchors move, so that each ends as its own fit would leave it)."""
+        if self.follow:
+            with torch.no_grad():
+                for i, pull in enumerate(pulls):
+                    for own, stacked in zip(pull.anchor, self.anchor, strict=True):
+                        own.copy_(stacked[i])
 
 
 class AdamDirection:

@@ -70,6 +70,9 @@ class FitRequest:
     momentum: float = 0.0
     weight_decay: float = 0.0
     grad_hook: GradHook | None = None
+    # steps on each batch before the next is drawn, the last one's loss reported (pFedMe's
+    # K inner steps on the personalized model)
+    repeat: int = 1
     # the skeleton it trains on, where not the client's own (``Client.trainer``): a part
     # whose clients hold models of several shapes (HMPL's tiers) keeps one per shape, and
     # the engine batches requests of one skeleton together

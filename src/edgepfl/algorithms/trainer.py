@@ -151,12 +151,14 @@ class Trainer(BatchedTraining, Evaluation):
     def fit(self, data: ClientData, epochs: int, batch_size: int, lr: float,
             gen: torch.Generator, momentum: float = 0.0, weight_decay: float = 0.0,
             grad_hook: GradHook | None = None, loss_hook: LossHook | None = None,
-            trainable: Sequence[str] | None = None) -> dict[str, float]:
+            trainable: Sequence[str] | None = None, repeat: int = 1) -> dict[str, float]:
         """SGD on the loaded weights; returns the mean training loss and step count.
 
         ``grad_hook(params, grads)`` may add terms to the gradients in place (in the order
-        of ``trainable``, default all parameters); ``loss_hook(model, logits, x, y)``
-        returns an extra differentiable loss term.
+        of ``trainable``, default all parameters); a hook with an ``advance(params)``
+        (``Pull``) is told the weights after each batch. ``loss_hook(model, logits, x, y)``
+        returns an extra differentiable loss term. ``repeat`` steps are taken on each batch
+        (the last one's loss counts; a batch is one step in the stats).
         """
         self._loaded = None
         model = self.model
@@ -181,38 +183,42 @@ class Trainer(BatchedTraining, Evaluation):
         passes, passes_store = (("passes", graded), shared) if loss_hook is None else (object(), None)
         update, update_store = (("update", graded), shared) if grad_hook is None else (object(), None)
         compiled = self._passes(names) if loss_hook is None else None
+        advance = getattr(grad_hook, "advance", None)
         try:
             with counter_aside():  # drawing batches counts no FLOPs: no dispatch through it
                 for _ in range(epochs):
                     for xb, yb in data.batches(batch_size, gen):
-                        grads = None
-                        with counted_once((passes, tuple(xb.shape)), passes_store):
-                            xb, yb = self.layout(xb), to_device(yb, self.device)
-                            # the FLOP counter (a dispatch mode) sees eager operators only
-                            # the full batches only: a short last batch runs eagerly
-                            # rather than compiling a graph per size (or one of dynamic
-                            # shape, whose kernels are the slower)
-                            if (compiled is not None and xb.shape[0] == batch_size
-                                    and _get_current_dispatch_mode() is None):
-                                grads, loss = compiled(
-                                    {n: p.detach() for n, p in zip(names, params, strict=True)},
-                                    xb, yb)
-                            else:
-                                logits = model(xb)
-                                loss = F.cross_entropy(logits, yb)
-                                total = (loss if loss_hook is None
-                                         else loss + loss_hook(model, logits, xb, yb))
-                                for p in params:
-                                    p.grad = None
-                                total.backward()
-                            loss_sum += loss.detach() * yb.numel()
-                        with counted_once((update, bufs is None), update_store):
-                            if grads is None:
-                                bufs = sgd_step(params, lr, momentum, weight_decay, bufs,
-                                                grad_hook)
-                            else:
-                                bufs = sgd_update(params, [grads[n] for n in names], lr,
-                                                  momentum, weight_decay, bufs, grad_hook)
+                        for _ in range(repeat):
+                            grads = None
+                            with counted_once((passes, tuple(xb.shape)), passes_store):
+                                xb, yb = self.layout(xb), to_device(yb, self.device)
+                                # the FLOP counter (a dispatch mode) sees eager operators only
+                                # the full batches only: a short last batch runs eagerly
+                                # rather than compiling a graph per size (or one of dynamic
+                                # shape, whose kernels are the slower)
+                                if (compiled is not None and xb.shape[0] == batch_size
+                                        and _get_current_dispatch_mode() is None):
+                                    grads, loss = compiled(
+                                        {n: p.detach() for n, p in zip(names, params, strict=True)},
+                                        xb, yb)
+                                else:
+                                    logits = model(xb)
+                                    loss = F.cross_entropy(logits, yb)
+                                    total = (loss if loss_hook is None
+                                             else loss + loss_hook(model, logits, xb, yb))
+                                    for p in params:
+                                        p.grad = None
+                                    total.backward()
+                            with counted_once((update, bufs is None), update_store):
+                                if grads is None:
+                                    bufs = sgd_step(params, lr, momentum, weight_decay, bufs,
+                                                    grad_hook)
+                                else:
+                                    bufs = sgd_update(params, [grads[n] for n in names], lr,
+                                                      momentum, weight_decay, bufs, grad_hook)
+                        loss_sum += loss.detach() * yb.numel()
+                        if advance is not None:
+                            advance(params)
                         seen += yb.numel()
                         steps += 1
         finally:
@@ -227,5 +233,6 @@ class Trainer(BatchedTraining, Evaluation):
         self.load(request.weights)
         stats = self.fit(request.data, request.epochs, request.batch_size, request.lr,
                          request.gen, momentum=request.momentum,
-                         weight_decay=request.weight_decay, grad_hook=request.grad_hook)
+                         weight_decay=request.weight_decay, grad_hook=request.grad_hook,
+                         repeat=request.repeat)
         return self.export(), stats
