@@ -15,6 +15,7 @@ from edgepfl.algorithms.fedamp import FedAMPClient
 from edgepfl.algorithms.fedavg import FedAvgClient
 from edgepfl.algorithms.fedper import FedPerClient
 from edgepfl.algorithms.fedprox import FedProxClient
+from edgepfl.algorithms.heterofl import HeteroFLClient
 from edgepfl.algorithms.hmpl import HMPLClient, HMPLSClient
 from edgepfl.algorithms.kapc import KAPCBLSClient, KAPCClient
 from edgepfl.algorithms.kit import proximal_hook
@@ -132,7 +133,7 @@ def test_only_clients_whose_update_is_their_fit_request_are_batched():
 
     for cls in (FedAvgClient, FedProxClient, KAPCClient, KAPCBLSClient, DCPFLClient,
                 FedAMPClient, ClusterFLClient, FedPerClient, PFedLAClient, HMPLClient,
-                HMPLSClient, PFedMeClient):
+                HMPLSClient, PFedMeClient, HeteroFLClient):
         assert states_fit(bare(cls)), cls
     assert not states_fit(bare(RewritesUpdate))
     assert not states_fit(bare(MOONClient))  # its loss runs two more models: no FitRequest
@@ -291,21 +292,25 @@ def test_round_1_counts_each_kind_of_work_once_and_trains_the_rest_uncounted(mod
     assert batched == ([4] if "batch" in mode else [])
 
 
-HMPL_CASES = {
+SHAPED_CASES = {
     # tiers from round 1's times, Com's aligner refitted (the defaults) and Sup growth
-    "hmpl": ["algorithm.name=hmpl", "model.name=hmpl_tiers", "train.rounds=4"],
+    "hmpl-tiers": ["algorithm.name=hmpl", "model.name=hmpl_tiers", "train.rounds=4"],
     # cropped images: batches gathered on the host, clients grouped by crop shape
     "hmpl-crops": ["algorithm.name=hmpl", "model.name=hmpl_tiers",
                    'dataset.aspect_ratios=["4:3","1:1"]'],
     "hmpl_s": ["algorithm.name=hmpl_s"],
+    # one skeleton per width: a step's clients of one rate batch together (static
+    # BatchNorm: batch statistics in training, no running ones)
+    "heterofl": ["algorithm.name=heterofl", "model.name=cnn_small_bn", "system.devices=tiers",
+                 "train.rounds=2"],
 }
 
 
-@pytest.mark.parametrize("case", list(HMPL_CASES))
-def test_hmpl_clients_batch_per_tier_and_give_the_sequential_run(case, monkeypatch):
-    """HMPL's clients train models of three shapes, each on a skeleton of its own: a
-    step's clients of one tier batch together (more than one tier batched in a run), and
-    the run ends where the sequential one does. (With crops a tier's two clients draw
+@pytest.mark.parametrize("case", list(SHAPED_CASES))
+def test_clients_of_models_of_several_shapes_batch_per_skeleton(case, monkeypatch):
+    """HMPL's clients train models of three shapes (HeteroFL's of several widths), each on
+    a skeleton of its own: a step's clients of one tier batch together (more than one tier
+    batched in a run), and the run ends where the sequential one does. (With crops a tier's two clients draw
     batches of different shapes, so fewer of its steps are shared.)"""
     batched: list[tuple[int, int]] = []
     fit_many = Trainer.fit_many
@@ -316,15 +321,15 @@ def test_hmpl_clients_batch_per_tier_and_give_the_sequential_run(case, monkeypat
         return fit_many(self, reqs)
 
     monkeypatch.setattr(Trainer, "fit_many", spy)
-    sets = ["dataset.fraction=0.1", "train.batch_size=16", *HMPL_CASES[case]]
+    sets = ["dataset.fraction=0.1", "train.batch_size=16", *SHAPED_CASES[case]]
     runs = []
     for batch in ("false", "true"):
         sim = Simulation(fast_config(*sets, f"train.batch_clients={batch}"), progress=False)
         sim.run()
         runs.append(sim)
     assert batched and all(n >= 2 for _, n in batched)
-    if case != "hmpl_s":
+    if case.startswith("hmpl-"):
         assert set(runs[1].server.tiers) == {"com", "ord", "sup"}
-    if case == "hmpl":
+    if case in ("hmpl-tiers", "heterofl"):
         assert len({skeleton for skeleton, _ in batched}) >= 2
     assert_same_run(*runs, 1e-4)

@@ -22,7 +22,7 @@ lists the choices where the paper leaves room and the departures.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -42,6 +42,7 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.devices import host
 from edgepfl.algorithms.kit import check_model_reply, num_samples
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.algorithms.trainer import Trainer
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import average_width_slices
@@ -168,6 +169,8 @@ class HeteroFLServer(Server):
 class HeteroFLClient(Client):
     """Serves clients of every rate: one skeleton per rate, built on first use."""
 
+    batchable: ClassVar[bool] = True
+
     def __init__(self, ctx: ClientContext, hp: HeteroFLHyperparameters):
         super().__init__(ctx, hp)
         if ctx.arch:
@@ -186,19 +189,23 @@ class HeteroFLClient(Client):
                                            compile=self.trainer.compile)
         return self._trainers[rate]
 
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
+        """The rate-sized submodel trained on that rate's skeleton (requests of one rate
+        batch together; static BatchNorm keeps no running statistics in training)."""
         rate = message_rate(msg)
         trainer = self.trainer_at(rate)
         expected = {n: tuple(p.shape) for n, p in trainer.params.items()}
         got = {k: tuple(t.shape) for k, t in msg.tensors.items()}
         if got != expected:
             raise MessageError(f"heterofl: a rate-{rate} model is {expected}; the server sent {got}")
-        trainer.load(msg.tensors)
         t = self.ctx.train
-        stats = trainer.fit(data, t.local_epochs, t.batch_size, t.lr, gen,
-                            momentum=t.momentum, weight_decay=t.weight_decay)
-        return UpdateResult(Message(trainer.export(), {"num_samples": data.n}), state, stats)
+        return FitRequest(msg.tensors, data, t.local_epochs, t.batch_size, t.lr, gen,
+                          momentum=t.momentum, weight_decay=t.weight_decay, trainer=trainer)
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        return UpdateResult(Message(trained, {"num_samples": data.n}), state, stats)
 
     # -- prediction -----------------------------------------------------------------------
     def statistics(self, sub: State, rate: float, data: ClientData) -> State:
