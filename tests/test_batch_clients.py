@@ -13,6 +13,7 @@ from edgepfl.algorithms.clusterfl import ClusterFLClient
 from edgepfl.algorithms.dcpfl import DCPFLClient
 from edgepfl.algorithms.fedamp import FedAMPClient
 from edgepfl.algorithms.fedavg import FedAvgClient
+from edgepfl.algorithms.fedbn import FedBNClient
 from edgepfl.algorithms.fedper import FedPerClient
 from edgepfl.algorithms.fedprox import FedProxClient
 from edgepfl.algorithms.heterofl import HeteroFLClient
@@ -55,11 +56,15 @@ def requests(trainer: Trainer, sizes=(37, 50, 64), seed=0, **settings) -> list[F
     return out
 
 
-def test_fit_many_batches_the_clients_and_ends_where_one_fit_after_another_does(monkeypatch):
+@pytest.mark.parametrize("model", ["cnn_small", "cnn_small_bn"])
+def test_fit_many_batches_the_clients_and_ends_where_one_fit_after_another_does(model,
+                                                                                monkeypatch):
+    """With BatchNorm each client's running statistics end as its own fit leaves them."""
     torch.manual_seed(0)
-    trainer = Trainer(build_model("cnn_small", (1, 8, 8), 10))
-    one_by_one = [trainer.run(r) for r in requests(trainer)]
-    batched_requests = requests(trainer)
+    trainer = Trainer(build_model(model, (1, 8, 8), 10))
+    first, batched_requests = requests(trainer), requests(trainer)  # before buffers move
+    start = requests(trainer)[0].weights
+    one_by_one = [trainer.run(r) for r in first]
     assert trainer.batchable(batched_requests)
 
     def refuse(request):
@@ -77,9 +82,10 @@ def test_fit_many_batches_the_clients_and_ends_where_one_fit_after_another_does(
         assert sa["train_loss"] == pytest.approx(sb["train_loss"], rel=1e-5)
     assert [s["samples"] for _, s in batched] == [74.0, 100.0, 128.0]
     assert [s["steps"] for _, s in batched] == [6.0, 8.0, 8.0]
-    # the clients moved: the comparison is not of untrained weights
-    start = requests(trainer)[0].weights
+    # the clients moved: the comparison is not of untrained weights (nor statistics)
     assert max(float((batched[0][0][n] - start[n]).abs().max()) for n in start) > 1e-2
+    for name in trainer.buffers:
+        assert not torch.equal(batched[0][0][name], start[name]), name
 
 
 @pytest.mark.parametrize("coefs", [(0.1, 0.1, 0.1), (0.1, 0.2, 0.1)])
@@ -104,7 +110,7 @@ def test_fit_many_applies_the_clients_pulls_at_once_with_the_bits_of_one_by_one(
         assert not all(torch.equal(wa[n], wc[n]) for n in wa)  # the pull did act
 
 
-def test_batchable_refuses_buffers_dropout_mixed_settings_and_a_single_client():
+def test_batchable_refuses_dropout_partial_states_mixed_settings_and_a_single_client():
     trainer = Trainer(build_model("cnn_small", (1, 8, 8), 10))
     assert trainer.batchable(requests(trainer))
     assert not trainer.batchable(requests(trainer)[:1])
@@ -112,14 +118,20 @@ def test_batchable_refuses_buffers_dropout_mixed_settings_and_a_single_client():
     mixed[1].lr = 0.01
     assert not trainer.batchable(mixed)
     bn = Trainer(build_model("cnn_small_bn", (1, 8, 8), 10))  # BatchNorm's statistics
-    assert not bn.batchable(requests(bn))
+    assert bn.batchable(requests(bn))
+    no_statistics = requests(bn)
+    for r in no_statistics:
+        r.weights = {n: w for n, w in r.weights.items() if n in bn.params}
+    assert not bn.batchable(no_statistics)
     dropout = Trainer(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5),
                                           torch.nn.Linear(64, 10)))
     assert not dropout.batchable(requests(dropout))
     # refused requests still train, one after another, exactly as run does
-    first, second = requests(bn), requests(bn)  # before the skeleton's buffers move
-    a = [bn.run(r) for r in first]
-    b = bn.fit_many(second)
+    first, second = requests(dropout), requests(dropout)
+    torch.manual_seed(1)
+    a = [dropout.run(r) for r in first]
+    torch.manual_seed(1)
+    b = dropout.fit_many(second)
     assert all(torch.equal(a[i][0][n], b[i][0][n]) for i in range(3) for n in a[i][0])
 
 
@@ -133,7 +145,7 @@ def test_only_clients_whose_update_is_their_fit_request_are_batched():
 
     for cls in (FedAvgClient, FedProxClient, KAPCClient, KAPCBLSClient, DCPFLClient,
                 FedAMPClient, ClusterFLClient, FedPerClient, PFedLAClient, HMPLClient,
-                HMPLSClient, PFedMeClient, HeteroFLClient):
+                HMPLSClient, PFedMeClient, HeteroFLClient, FedBNClient):
         assert states_fit(bare(cls)), cls
     assert not states_fit(bare(RewritesUpdate))
     assert not states_fit(bare(MOONClient))  # its loss runs two more models: no FitRequest
@@ -159,6 +171,9 @@ CASES = {
     "moon": [],  # states no fit request: trains one client after another
     # K steps on each batch, then w_i's step: the pull's anchor moves after every batch
     "pfedme": ["algorithm.K=3"],
+    # BatchNorm: each client's running statistics stacked with its weights
+    "fedavg-bn": ["model.name=cnn_small_bn"],
+    "fedbn": ["model.name=cnn_small_bn"],  # the statistics and BatchNorm weights stay local
 }
 
 
@@ -168,10 +183,15 @@ CASES = {
 # apart; the batched fit is 3e-8 from the NCHW one. On AVX2 CPUs (the CI machines) the same
 # layout effect reaches 6.0e-5 for fedavg-local and dcpfl, and KAPC-BLS's coaching gradient,
 # which scales with the distance to its targets, carries it to 6.0e-4 (measured there).
-STATE_ATOL = {"clusterfl": 1e-4, "fedavg-local": 1e-4, "dcpfl": 1e-4, "kapc_bls": 1e-3}
+STATE_ATOL = {"clusterfl": 1e-4, "fedavg-local": 1e-4, "dcpfl": 1e-4, "kapc_bls": 1e-3,
+              "fedbn": 1e-3}
+# FedBN's local BatchNorm layers carry such differences from round to round: two sequential
+# runs of this case, on channels-last and on NCHW kernels, end 4.0e-4 apart in their states
+# and 9.5e-6 in round 3's test loss; the batched run 2.8e-4 and 1.4e-4
+METRIC_REL = {"fedbn": 1e-3}
 
 
-def assert_same_run(seq: Simulation, bat: Simulation, atol: float) -> None:
+def assert_same_run(seq: Simulation, bat: Simulation, atol: float, rel: float = 1e-4) -> None:
     """The batched run's metrics are the sequential run's (within float tolerance), and so
     are every client's state and the server's."""
     for ra, rb in zip(without_wall(seq.metrics), without_wall(bat.metrics), strict=True):
@@ -181,7 +201,7 @@ def assert_same_run(seq: Simulation, bat: Simulation, atol: float) -> None:
             if isinstance(va, float) and math.isnan(va):
                 assert math.isnan(vb), k
             elif isinstance(va, float):
-                assert vb == pytest.approx(va, rel=1e-4, abs=1e-6), k
+                assert vb == pytest.approx(va, rel=rel, abs=1e-6), k
             else:
                 assert va == vb, k
     for a, b in ((seq.clients.state_dict("c/"), bat.clients.state_dict("c/")),
@@ -217,7 +237,7 @@ def test_batched_clients_give_the_sequential_runs_metrics(case, monkeypatch):
     else:
         # round 1 counts each client's FLOPs alone; later rounds batch all six clients
         assert batched_steps and all(n == 6 for n in batched_steps)
-    assert_same_run(seq, bat, STATE_ATOL.get(case, 1e-5))
+    assert_same_run(seq, bat, STATE_ATOL.get(case, 1e-5), METRIC_REL.get(case, 1e-4))
 
 
 def test_batched_clients_and_worker_processes_are_one_or_the_other():

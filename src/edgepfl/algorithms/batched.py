@@ -104,15 +104,16 @@ class BatchedTraining:
     _resident: tuple | None = None
 
     def batchable(self, requests: Sequence[FitRequest]) -> bool:
-        """Whether ``fit_many`` can batch ``requests``: two or more, of this model's
-        parameters, one learning rate, momentum, weight decay and ``repeat``, and a model whose train
-        mode keeps no per-client buffers or randomness (BatchNorm's statistics, dropout)."""
-        if len(requests) < 2 or self.buffers:
+        """Whether ``fit_many`` can batch ``requests``: two or more, each of this model's
+        whole state (parameters and buffers: BatchNorm's statistics move per client), one
+        learning rate, momentum, weight decay and ``repeat``, and a model whose train mode
+        draws no randomness (dropout: vmap's draws are not each client's own)."""
+        if len(requests) < 2:
             return False
         if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in self.model.modules()):
             return False
         first = requests[0]
-        names = set(self.param_names)
+        names = set(self.param_names) | set(self.buffers)
         return all(set(r.weights) == names and (r.lr, r.momentum, r.weight_decay, r.repeat)
                    == (first.lr, first.momentum, first.weight_decay, first.repeat)
                    for r in requests)
@@ -133,11 +134,15 @@ class BatchedTraining:
         self._loaded = None
         k, names = len(requests), self.param_names
         stack = _Stack.of(requests, names, self.device)
+        # buffers (BatchNorm's running statistics) stacked too: the model updates each
+        # client's row in place in its forward pass
+        held = {n: torch.stack([r.weights[n] for r in requests]).to(self.device)
+                for n in self.buffers}
         model = self.model
         model.train()
 
-        def loss(params, x, y):
-            return F.cross_entropy(functional_call(model, params, (x,)), y)
+        def loss(params, buffers, x, y):
+            return F.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
 
         step = vmap(grad_and_value(loss))
         draw, inputs = self._batch_source(requests)
@@ -156,11 +161,15 @@ class BatchedTraining:
                 # the whole stack needs no index (nor its copy to the device every step)
                 rows = slice(None) if whole else to_device(torch.tensor(members), self.device)
                 params = stack.weights if whole else stack.take(rows)
+                buffers = held if whole else {n: t[rows] for n, t in held.items()}
                 x, y = inputs([drawn[i] for i in members])
                 for _ in range(stack.repeat):
-                    grads, losses = step(params, x, y)
+                    grads, losses = step(params, buffers, x, y)
                     stack.update(members, rows, params, grads)
                 stack.advance(members, rows, params)
+                if not whole:
+                    for n, t in buffers.items():
+                        held[n][rows] = t
                 with torch.no_grad():
                     loss_sum[rows] += losses * y.shape[1]
                 for i in members:
@@ -168,7 +177,8 @@ class BatchedTraining:
                     steps[i] += 1
         if stack.pull is not None:
             stack.pull.unstack(stack.hooks)
-        return [({n: host(stack.weights[n][i]) for n in names},
+        return [({**{n: host(stack.weights[n][i]) for n in names},
+                  **{n: host(t[i]) for n, t in held.items()}},
                  fit_stats(float(loss_sum[i]), seen[i], steps[i])) for i in range(k)]
 
     def _batch_source(self, requests: Sequence[FitRequest]):

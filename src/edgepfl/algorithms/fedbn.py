@@ -12,6 +12,7 @@ travel in either direction. On a model without BatchNorm FedBN is FedAvg exactly
 from __future__ import annotations
 
 import warnings
+from typing import ClassVar
 
 import torch
 
@@ -27,7 +28,8 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import fit
+from edgepfl.algorithms.kit import sgd_request
+from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
 from edgepfl.models.zoo import MODELS
@@ -69,6 +71,9 @@ class FedBNServer(FedAvgServer):
 
 
 class FedBNClient(Client):
+    # each client's BatchNorm statistics are stacked with its weights when batched
+    batchable: ClassVar[bool] = True
+
     def __init__(self, ctx: ClientContext, hp):
         super().__init__(ctx, hp)
         self.local_names = batchnorm_names(ctx.layers)
@@ -79,13 +84,14 @@ class FedBNClient(Client):
         # every client starts from the same BatchNorm initialisation, then they diverge
         return {f"bn.{n}": init_model[n].clone() for n in self.local_names}
 
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
-        self.trainer.load(self.personal_model(state, msg))
-        stats = fit(self, data, gen)
-        reply = Message(self.trainer.export(self.shared_names), {"num_samples": data.n})
-        new_state = {f"bn.{n}": v for n, v in self.trainer.export(self.local_names).items()}
-        return UpdateResult(reply, new_state, stats)
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
+        return sgd_request(self, self.personal_model(state, msg), data, gen)
+
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        reply = Message({n: trained[n] for n in self.shared_names}, {"num_samples": data.n})
+        return UpdateResult(reply, {f"bn.{n}": trained[n] for n in self.local_names}, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if eval_msg is None:
