@@ -21,6 +21,7 @@ from edgepfl.algorithms.hmpl import HMPLClient, HMPLSClient
 from edgepfl.algorithms.kapc import KAPCBLSClient, KAPCClient
 from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.algorithms.moon import MOONClient
+from edgepfl.algorithms.perfedavg import PerFedAvgClient, PerFedAvgHFClient
 from edgepfl.algorithms.pfedla import PFedLAClient
 from edgepfl.algorithms.pfedme import PFedMeClient
 from edgepfl.algorithms.pulls import Pull
@@ -145,7 +146,8 @@ def test_only_clients_whose_update_is_their_fit_request_are_batched():
 
     for cls in (FedAvgClient, FedProxClient, KAPCClient, KAPCBLSClient, DCPFLClient,
                 FedAMPClient, ClusterFLClient, FedPerClient, PFedLAClient, HMPLClient,
-                HMPLSClient, PFedMeClient, HeteroFLClient, FedBNClient):
+                HMPLSClient, PFedMeClient, HeteroFLClient, FedBNClient, PerFedAvgClient,
+                PerFedAvgHFClient):
         assert states_fit(bare(cls)), cls
     assert not states_fit(bare(RewritesUpdate))
     assert not states_fit(bare(MOONClient))  # its loss runs two more models: no FitRequest
@@ -174,6 +176,9 @@ CASES = {
     # BatchNorm: each client's running statistics stacked with its weights
     "fedavg-bn": ["model.name=cnn_small_bn"],
     "fedbn": ["model.name=cnn_small_bn"],  # the statistics and BatchNorm weights stay local
+    # a step of its own on two batches (three for HF), vmapped: FitRequest.step
+    "perfedavg": [],
+    "perfedavg_hf": [],
 }
 
 
@@ -276,7 +281,8 @@ def test_batches_gathered_from_the_whole_data_set_are_those_fit_draws():
     for step in range(6):
         for size in {streams[i][step][0].numel() for i in range(3)}:
             members = [i for i in range(3) if streams[i][step][0].numel() == size]
-            xs, ys = inputs([streams[i][step] for i in members])
+            (xs, ys), count = inputs([streams[i][step] for i in members])
+            assert count == size
             assert xs.dtype == torch.float32 and xs.shape[:2] == (len(members), size)
             for j, i in enumerate(members):
                 assert torch.equal(xs[j], expected[i][step][0])

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from edgepfl.algorithms import ALGORITHMS
 from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.perfedavg import MetaStep
 from edgepfl.engine.simulation import Simulation
 from edgepfl.federation.messages import Message
 from tests.conftest import fast_config
@@ -43,16 +44,21 @@ def test_hf_differs_from_fo_only_by_hessian_term():
         s.step()
     a, b = fo.server.global_model, hf.server.global_model
     assert any(not torch.allclose(a[n], b[n]) for n in a)
-    # the finite-difference Hessian-vector product is exact on a quadratic f = p^T A p / 2
-    client = hf.client
-    params = [torch.zeros(4)]
+    # on a quadratic f = p^T A p / 2 the step is exact: g2 = A (w - alpha A w), and HF's
+    # finite-difference product A g2 (exact there but for rounding)
     a = torch.tensor([[2.0, 1.0, 0.0, 0.0], [1.0, 3.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.5],
                       [0.0, 0.0, 0.5, 4.0]])
-    client._grads = lambda ps, x, y: [a @ ps[0]]
-    w, v = [torch.tensor([0.3, -1.0, 2.0, 0.5])], [torch.tensor([1.0, -2.0, 0.5, 3.0])]
-    hv = client._hvp(params, w, v, None, None)
-    assert torch.allclose(hv[0], a @ v[0], atol=1e-2)
-    assert torch.equal(params[0], w[0])  # weights restored after probing
+
+    def quadratic(weights, x, y):
+        return weights["p"] @ a @ weights["p"] / 2
+
+    w, alpha = {"p": torch.tensor([0.3, -1.0, 2.0, 0.5])}, 0.1
+    g2 = a @ (w["p"] - alpha * a @ w["p"])
+    fo_step, fo_loss = MetaStep(alpha, False, 1e-3)(quadratic, w, *[None] * 4)
+    hf_step, hf_loss = MetaStep(alpha, True, 1e-3)(quadratic, w, *[None] * 6)
+    assert torch.allclose(fo_step["p"], g2, atol=1e-5)
+    assert torch.allclose(hf_step["p"], g2 - alpha * a @ g2, atol=1e-2)
+    assert fo_loss == hf_loss  # the reported loss is D''s, at w~
 
 
 def test_server_is_fedavg_bytes():
@@ -96,7 +102,14 @@ def test_hf_step_is_algorithm_1():
     with torch.no_grad():
         for p, w0 in zip(params, w, strict=True):
             p.copy_(w0)
-    hv = client._hvp(params, w, g2, x3, y3)
+    # the finite-difference Hessian-vector product at w along g2, on D''
+    probes = []
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            for p, w0, v in zip(params, w, g2, strict=True):
+                p.copy_(w0 + sign * client.hp.delta * v)
+        probes.append(grads(x3, y3))
+    hv = [(u - v) / (2 * client.hp.delta) for u, v in zip(*probes, strict=True)]
     want = [w0 - 0.1 * (g - 0.5 * h) for w0, g, h in zip(w, g2, hv, strict=True)]
     flipped = [w0 - 0.1 * (g + 0.5 * h) for w0, g, h in zip(w, g2, hv, strict=True)]
     got = [result.reply.tensors[n] for n in names]

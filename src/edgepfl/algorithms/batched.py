@@ -106,7 +106,7 @@ class BatchedTraining:
     def batchable(self, requests: Sequence[FitRequest]) -> bool:
         """Whether ``fit_many`` can batch ``requests``: two or more, each of this model's
         whole state (parameters and buffers: BatchNorm's statistics move per client), one
-        learning rate, momentum, weight decay and ``repeat``, and a model whose train mode
+        learning rate, momentum, weight decay, ``repeat`` and ``step``, and a model whose train mode
         draws no randomness (dropout: vmap's draws are not each client's own)."""
         if len(requests) < 2:
             return False
@@ -114,9 +114,9 @@ class BatchedTraining:
             return False
         first = requests[0]
         names = set(self.param_names) | set(self.buffers)
-        return all(set(r.weights) == names and (r.lr, r.momentum, r.weight_decay, r.repeat)
-                   == (first.lr, first.momentum, first.weight_decay, first.repeat)
-                   for r in requests)
+        settings = ("lr", "momentum", "weight_decay", "repeat", "step")
+        return all(set(r.weights) == names and all(getattr(r, s) == getattr(first, s)
+                                                   for s in settings) for r in requests)
 
     def fit_many(self, requests: Sequence[FitRequest]) -> list[tuple[State, dict[str, float]]]:
         """``run`` of every request, their SGD steps batched with ``torch.func.vmap``.
@@ -127,7 +127,9 @@ class BatchedTraining:
         generator in ``fit``'s order and gets ``fit``'s weight decay, gradient hook and
         momentum, so the weights equal those of one ``run`` after another within float
         tolerance (batched kernels sum in another order) and the stats are ``fit``'s.
-        Requests ``batchable`` refuses run one after another.
+        Requests with a step of their own (``FitRequest.step``) take it vmapped on the
+        batch groups their ``draw`` yields, grouped by the shapes of all of them, as
+        ``fit_steps`` does one client's. Requests ``batchable`` refuses run one after another.
         """
         if not self.batchable(requests):
             return [self.run(r) for r in requests]
@@ -144,8 +146,16 @@ class BatchedTraining:
         def loss(params, buffers, x, y):
             return F.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
 
-        step = vmap(grad_and_value(loss))
-        draw, inputs = self._batch_source(requests)
+        own = requests[0].step
+        if own is None:
+            step = vmap(grad_and_value(loss))
+            draw, inputs = self._batch_source(requests)
+        else:
+            def one(params, buffers, *batches):
+                return own(lambda w, x, y: loss(w, buffers, x, y), params, *batches)
+
+            step = vmap(one)
+            draw, inputs = self._step_source()
         batches = [draw(r) for r in requests]
         loss_sum = torch.zeros(k, device=self.device)
         seen, steps = [0] * k, [0] * k
@@ -155,25 +165,26 @@ class BatchedTraining:
             active = list(drawn)
             groups: dict[tuple, list[int]] = {}
             for i, b in drawn.items():
-                groups.setdefault(tuple(b[0].shape), []).append(i)
+                groups.setdefault(tuple(t.shape for t in b[0]) if own else tuple(b[0].shape),
+                                  []).append(i)
             for members in groups.values():
                 whole = len(members) == k
                 # the whole stack needs no index (nor its copy to the device every step)
                 rows = slice(None) if whole else to_device(torch.tensor(members), self.device)
                 params = stack.weights if whole else stack.take(rows)
                 buffers = held if whole else {n: t[rows] for n, t in held.items()}
-                x, y = inputs([drawn[i] for i in members])
+                args, count = inputs([drawn[i] for i in members])
                 for _ in range(stack.repeat):
-                    grads, losses = step(params, buffers, x, y)
+                    grads, losses = step(params, buffers, *args)
                     stack.update(members, rows, params, grads)
                 stack.advance(members, rows, params)
                 if not whole:
                     for n, t in buffers.items():
                         held[n][rows] = t
                 with torch.no_grad():
-                    loss_sum[rows] += losses * y.shape[1]
+                    loss_sum[rows] += losses * count
                 for i in members:
-                    seen[i] += int(y.shape[1])
+                    seen[i] += count
                     steps[i] += 1
         if stack.pull is not None:
             stack.pull.unstack(stack.hooks)
@@ -194,8 +205,8 @@ class BatchedTraining:
         data set too large for a quarter of the free GPU memory are gathered on the host.
         """
         def host_inputs(drawn):
-            return (to_device(torch.stack([b[0] for b in drawn]), self.device),
-                    to_device(torch.stack([b[1] for b in drawn]), self.device))
+            y = to_device(torch.stack([b[1] for b in drawn]), self.device)
+            return (to_device(torch.stack([b[0] for b in drawn]), self.device), y), y.shape[1]
 
         first = requests[0].data
         alike = all(r.data.boxes is None and r.data.x is first.x and r.data.y is first.y
@@ -215,9 +226,18 @@ class BatchedTraining:
             rows = torch.cat([b[0] for b in drawn])
             x = xd.index_select(0, rows)
             x = x if norm is None else norm(x)
-            return (x.view(len(drawn), -1, *x.shape[1:]),
-                    yd.index_select(0, rows).view(len(drawn), -1))
+            y = yd.index_select(0, rows).view(len(drawn), -1)
+            return (x.view(len(drawn), -1, *x.shape[1:]), y), y.shape[1]
         return draw, inputs
+
+    def _step_source(self):
+        """``_batch_source`` for requests with a step of their own: each one's ``draw``,
+        and a step's inputs as each of its batches stacked over the clients."""
+        def inputs(drawn):
+            args = tuple(to_device(torch.stack(group), self.device)
+                         for group in zip(*(batches for batches, _ in drawn), strict=True))
+            return args, drawn[0][1]
+        return (lambda r: r.draw(r)), inputs
 
     def _on_device(self, data: ClientData) -> tuple | None:
         """(x, y, norm) of ``data``'s data set on this trainer's device, copied once and

@@ -13,15 +13,18 @@ adaptation"), so each client keeps that batch in its state.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
+from torch.func import grad, grad_and_value
 
 from edgepfl.algorithms.base import (
     Algorithm,
     Client,
+    ClientContext,
     Hyperparameters,
     LogUniform,
     PrivacySupport,
@@ -31,6 +34,7 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.algorithms.sgd import FitRequest, LossFn
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 
@@ -46,84 +50,81 @@ class PerFedAvgHyperparameters(Hyperparameters):
                                                   "product (Per-FedAvg Sec. 5, delta)")
 
 
+@dataclass(frozen=True)
+class MetaStep:
+    """Algorithm 1's local step as a pure function of the weights w and its batches: on D,
+    w~ = w - alpha grad f(w; D); the step's gradient is grad f(w~; D') (FO), or with HF
+    (I - alpha H(w; D'')) grad f(w~; D'), H v by finite differences of size delta. The
+    outer step w <- w - beta * gradient is the request's SGD (rate beta). One client's step
+    (``Trainer.fit_steps``) and a vmapped step of many (``fit_many``) are this code."""
+
+    alpha: float
+    hessian_free: bool
+    delta: float
+
+    def __call__(self, loss: LossFn, w: State, x1, y1, x2, y2, x3=None, y3=None):
+        g1 = grad(loss)(w, x1, y1)
+        adapted = {n: w[n] - self.alpha * g1[n] for n in w}
+        g2, loss2 = grad_and_value(loss)(adapted, x2, y2)
+        if not self.hessian_free:
+            return g2, loss2
+        d = self.delta
+        plus = grad(loss)({n: w[n] + d * g2[n] for n in w}, x3, y3)
+        minus = grad(loss)({n: w[n] - d * g2[n] for n in w}, x3, y3)
+        return {n: g2[n] - self.alpha * ((plus[n] - minus[n]) / (2 * d)) for n in w}, loss2
+
+
+def meta_batches(need: int):
+    """A request's groups of ``need`` batches (D, D'[, D'']) with the samples of D' that a
+    step counts. An epoch is half as many steps as the client has batches (FO's D and D'
+    cover the data once), at least one, so that a client with fewer samples than two
+    batches still trains; HF takes as many steps as FO (the paper compares them at equal
+    tau) and draws its D'' from further shuffles of the data."""
+    def draw(r: FitRequest):
+        for _ in range(r.epochs if r.data.n else 0):
+            batches = list(r.data.batches(r.batch_size, r.gen))
+            n_steps = max(1, len(batches) // 2)
+            while len(batches) < need * n_steps:
+                batches += list(r.data.batches(r.batch_size, r.gen))
+            for k in range(0, need * n_steps, need):
+                group = batches[k:k + need]
+                yield tuple(t for batch in group for t in batch), int(group[1][1].numel())
+    return draw
+
+
 class PerFedAvgClient(Client):
     hessian_free = False
+    batchable: ClassVar[bool] = True
+
+    def __init__(self, ctx: ClientContext, hp: PerFedAvgHyperparameters):
+        super().__init__(ctx, hp)
+        self._gen: dict[int, torch.Generator] = {}  # a fit's generator, until its finish
 
     def _grads(self, params, x, y) -> list[torch.Tensor]:
         trainer = self.trainer
         loss = F.cross_entropy(trainer.model(trainer.layout(x)), y.to(trainer.device))
         return list(torch.autograd.grad(loss, params, allow_unused=True))
 
-    def update(self, cid: int, msg: Message, state: State, data: ClientData,
-               gen: torch.Generator) -> UpdateResult:
+    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
+                    gen: torch.Generator) -> FitRequest:
         hp, t = self.hp, self.ctx.train
-        beta = hp.beta if hp.beta is not None else t.lr
         if t.momentum or t.weight_decay:
             # Algorithm 1 is plain SGD on the MAML objective; quietly dropping them would
             # make a run differ from its config
             raise ConfigError(f"Per-FedAvg takes plain SGD steps (Algorithm 1): "
                               f"train.momentum={t.momentum} and train.weight_decay="
                               f"{t.weight_decay} must be 0")
-        self.trainer.load(msg.tensors)
-        model = self.trainer.model
-        model.train()
-        params = [self.trainer.params[n] for n in self.trainer.param_names]
-        need = 3 if self.hessian_free else 2
-        loss_sum, seen, steps = 0.0, 0, 0
-        for _ in range(t.local_epochs if data.n else 0):
-            # an epoch is half as many steps as the client has batches (FO's D and D' cover
-            # the data once), at least one, so that a client with fewer samples than two
-            # batches still trains; HF takes as many steps as FO (the paper compares them at
-            # equal tau) and draws its D'' from further shuffles of the data
-            batches = list(data.batches(t.batch_size, gen))
-            n_steps = max(1, len(batches) // 2)
-            while len(batches) < need * n_steps:
-                batches += list(data.batches(t.batch_size, gen))
-            for k in range(0, need * n_steps, need):
-                (x1, y1), (x2, y2) = batches[k], batches[k + 1]
-                w = [p.detach().clone() for p in params]
-                g1 = self._grads(params, x1, y1)
-                with torch.no_grad():
-                    for p, g in zip(params, g1, strict=True):
-                        if g is not None:
-                            p.sub_(hp.alpha * g)
-                out = model(self.trainer.layout(x2))
-                loss2 = F.cross_entropy(out, y2.to(self.trainer.device))
-                g2 = [g if g is not None else torch.zeros_like(p) for p, g in
-                      zip(params, torch.autograd.grad(loss2, params, allow_unused=True), strict=True)]
-                with torch.no_grad():
-                    for p, w0 in zip(params, w, strict=True):
-                        p.copy_(w0)
-                step = g2
-                if self.hessian_free:
-                    x3, y3 = batches[k + 2]
-                    hv = self._hvp(params, w, g2, x3, y3)
-                    step = [g - hp.alpha * h for g, h in zip(g2, hv, strict=True)]
-                with torch.no_grad():
-                    for p, s in zip(params, step, strict=True):
-                        p.sub_(beta * s)
-                loss_sum += float(loss2.detach()) * y2.numel()
-                seen += y2.numel()
-                steps += 1
-        adapt = self._adapt_batch(data, gen)
-        reply = Message(self.trainer.export(), {"num_samples": data.n})
-        stats = {"train_loss": loss_sum / max(seen, 1), "steps": float(steps)}
-        return UpdateResult(reply, adapt, stats)
+        self._gen[cid] = gen
+        return FitRequest(msg.tensors, data, t.local_epochs, t.batch_size,
+                          hp.beta if hp.beta is not None else t.lr, gen,
+                          step=MetaStep(hp.alpha, self.hessian_free, hp.delta),
+                          draw=meta_batches(3 if self.hessian_free else 2))
 
-    def _hvp(self, params, w, v, x, y) -> list[torch.Tensor]:
-        """Finite-difference Hessian-vector product at w along v (Per-FedAvg's HF variant)."""
-        d = self.hp.delta
-        out = []
-        for sign in (1.0, -1.0):
-            with torch.no_grad():
-                for p, w0, vi in zip(params, w, v, strict=True):
-                    p.copy_(w0 + sign * d * vi)
-            out.append([g if g is not None else torch.zeros_like(p)
-                        for p, g in zip(params, self._grads(params, x, y), strict=True)])
-        with torch.no_grad():
-            for p, w0 in zip(params, w, strict=True):
-                p.copy_(w0)
-        return [(a - b) / (2 * d) for a, b in zip(out[0], out[1], strict=True)]
+    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
+               trained: State, stats: dict[str, float]) -> UpdateResult:
+        # the evaluation-time batch, drawn after training from the same generator
+        adapt = self._adapt_batch(data, self._gen.pop(cid))
+        return UpdateResult(Message(trained, {"num_samples": data.n}), adapt, stats)
 
     def _adapt_batch(self, data: ClientData, gen: torch.Generator) -> State:
         """A fixed-size batch of the client's own data for the evaluation-time step (drawn

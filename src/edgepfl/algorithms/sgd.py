@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 State = dict[str, torch.Tensor]
 GradHook = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]
 LossHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# the model's loss as a function of its weights and a batch: loss(weights, x, y)
+LossFn = Callable[[Mapping[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
+# a local step of an algorithm's own: (loss, weights, x1, y1, x2, y2, ...) -> (the gradient
+# that SGD applies, the loss to report); a pure function, so one client's step and a
+# vmapped step of many are the same code
+StepFn = Callable[..., tuple[Mapping[str, torch.Tensor], torch.Tensor]]
 
 
 @torch.no_grad()
@@ -73,6 +79,11 @@ class FitRequest:
     # steps on each batch before the next is drawn, the last one's loss reported (pFedMe's
     # K inner steps on the personalized model)
     repeat: int = 1
+    # a step of its own on each group of batches ``draw`` yields, with the samples it counts
+    # (Per-FedAvg's MAML step on two or three batches); None: one gradient step a batch.
+    # Requests batch together when their steps are equal (a dataclass of the settings)
+    step: StepFn | None = None
+    draw: Callable[[FitRequest], Iterator[tuple[tuple[torch.Tensor, ...], int]]] | None = None
     # the skeleton it trains on, where not the client's own (``Client.trainer``): a part
     # whose clients hold models of several shapes (HMPL's tiers) keeps one per shape, and
     # the engine batches requests of one skeleton together

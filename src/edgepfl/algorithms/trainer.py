@@ -228,9 +228,41 @@ class Trainer(BatchedTraining, Evaluation):
                 p.grad = None
         return fit_stats(float(loss_sum), seen, steps)
 
+    def fit_steps(self, request: FitRequest) -> dict[str, float]:
+        """``request``'s own steps (``FitRequest.step``) on the loaded weights: for each
+        group of batches ``draw`` yields, the step's gradient, applied by ``fit``'s SGD."""
+        self._loaded = None
+        model, names = self.model, self.param_names
+        model.train()
+        params = [self.params[n] for n in names]
+        buffers = dict(self.buffers)
+
+        def loss(weights, x, y):
+            return F.cross_entropy(functional_call(model, (weights, buffers), (x,)), y)
+
+        bufs: list[torch.Tensor] | None = None
+        loss_sum = torch.zeros((), device=self.device)
+        seen = steps = 0
+        assert request.step is not None and request.draw is not None
+        for batches, count in request.draw(request):
+            batches = tuple(self.layout(b) if i % 2 == 0 else to_device(b, self.device)
+                            for i, b in enumerate(batches))  # x1, y1, x2, y2, ...
+            grads, value = request.step(loss, {n: p.detach() for n, p in zip(names, params,
+                                                                              strict=True)},
+                                        *batches)
+            bufs = sgd_update(params, [grads[n] for n in names], request.lr, request.momentum,
+                              request.weight_decay, bufs, request.grad_hook)
+            loss_sum += value.detach() * count
+            seen += count
+            steps += 1
+        return fit_stats(float(loss_sum), seen, steps)
+
     def run(self, request: FitRequest) -> tuple[State, dict[str, float]]:
         """``request`` trained on this skeleton: the weights it ends with and fit's stats."""
         self.load(request.weights)
+        if request.step is not None:
+            stats = self.fit_steps(request)
+            return self.export(), stats
         stats = self.fit(request.data, request.epochs, request.batch_size, request.lr,
                          request.gen, momentum=request.momentum,
                          weight_decay=request.weight_decay, grad_hook=request.grad_hook,
