@@ -334,6 +334,24 @@ def test_an_update_that_trains_outside_dpsgd_is_refused():
         accounted(Part(), lambda: UpdateResult(Message(), {}, {"steps": 4.0}))
 
 
+def test_dpsgd_refuses_steps_it_cannot_account():
+    """Several steps on one sampled batch (pFedMe's inner steps) and a step of an
+    algorithm's own (Per-FedAvg's MAML step) are refused, not run outside DP-SGD."""
+    from edgepfl.algorithms.perfedavg import MetaStep, meta_batches
+    from edgepfl.algorithms.sgd import FitRequest
+
+    trainer = PrivateTrainer(_net(), clip=1.0, noise_multiplier=1.0)
+    g = torch.Generator().manual_seed(0)
+    data = ClientData(torch.randn(8, 1, 4, 4, generator=g), torch.randint(0, 2, (8,),
+                      generator=g), torch.arange(8))
+    weights = trainer.export()
+    with pytest.raises(PrivacyError, match="several steps on each batch"):
+        trainer.run(FitRequest(weights, data, 1, 4, 0.1, g, repeat=3))
+    with pytest.raises(PrivacyError, match="local step is its own"):
+        trainer.run(FitRequest(weights, data, 1, 4, 0.1, g, step=MetaStep(0.01, False, 1e-3),
+                               draw=meta_batches(2)))
+
+
 # -- Flower -------------------------------------------------------------------------------
 @pytest.mark.parametrize("level", ["client", "sample"])
 def test_flower_accounts_as_the_simulation(level):

@@ -37,7 +37,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from edgepfl.algorithms.base import Client, UpdateResult
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.devices import to_device
-from edgepfl.algorithms.sgd import GradHook, LossHook, fit_stats, sgd_update
+from edgepfl.algorithms.sgd import FitRequest, GradHook, LossHook, fit_stats, sgd_update
 from edgepfl.algorithms.trainer import Trainer
 from edgepfl.federation.accounting import counted_once, counter_aside
 from edgepfl.privacy.aggregate import PrivacyError
@@ -65,10 +65,22 @@ class PrivateTrainer(Trainer):
         self.steps = 0
         self.rates: set[float] = set()
 
+    def fit_steps(self, request: FitRequest) -> dict[str, float]:
+        raise PrivacyError("privacy.level = 'sample': this algorithm's local step is its own "
+                           "(FitRequest.step), not a gradient of per-sample losses that "
+                           "DP-SGD can clip; it must not be declared PrivacySupport(sample=True)")
+
     def fit(self, data: ClientData, epochs: int, batch_size: int, lr: float,
             gen: torch.Generator, momentum: float = 0.0, weight_decay: float = 0.0,
             grad_hook: GradHook | None = None, loss_hook: LossHook | None = None,
-            trainable: Sequence[str] | None = None) -> dict[str, float]:
+            trainable: Sequence[str] | None = None, repeat: int = 1) -> dict[str, float]:
+        if repeat != 1:
+            # several steps on one Poisson-sampled batch would spend the privacy budget of
+            # several batches that the accountant does not see
+            raise PrivacyError("privacy.level = 'sample': this algorithm takes several steps "
+                               "on each batch, which DP-SGD's accounting of one step per "
+                               "sampled batch does not cover; it must not be declared "
+                               "PrivacySupport(sample=True)")
         if loss_hook is not None:
             # a loss on more than one sample at a time (a contrastive or prototype term)
             # has no per-sample gradient to clip
