@@ -2,7 +2,8 @@
 # The checks that need a GPU, as one call (about 6-7 minutes
 # on an H100): whole rounds of ten clients on the CPU's 16 threads, on the GPU and batched
 # on the GPU (FedAvg, KAPC, DC-PFL), the batched runs' figures against the CPU's, KAPC's
-# state on disk on the GPU, and clients batched into one step against one after another.
+# state on disk on the GPU, clients batched into one step against one after another, and
+# every algorithm's round on the GPU, sequential and batched.
 # The most wanted figures come first, and a failing step does not stop the ones after it
 # (a device call's time is short and a late step may be cut off). Logs go to $OUT
 # (default runs/gpu); record them in bench/checks/README.md, bench/speed/README.md ("On a GPU")
@@ -39,4 +40,13 @@ step vmap_step python "$bench/speed/vmap_step.py" --device cuda --clients 10 --s
     --repeats 3
 step eval_batched python "$bench/speed/eval_batched.py" --device cuda --clients 100 --samples 50 \
     --chunk 100 --repeats 5
+# the per-algorithm table's GPU columns (bench/speed/README.md, "Each algorithm's round"):
+# every algorithm but fedmd (whose first round alone is minutes of transfer learning),
+# sequential and batched; read the wall-clock column
+every=$(python -c "from edgepfl.algorithms import ALGORITHMS as A
+print(' '.join(n for n in sorted(A) if n != 'fedmd'))")
+step algorithm_rounds_cuda python "$bench/speed/algorithm_rounds.py" --fraction 0.03 --rounds 1 \
+    --repeats 1 --algorithms $every --set train.device=cuda
+step algorithm_rounds_cuda_batched python "$bench/speed/algorithm_rounds.py" --fraction 0.03 \
+    --rounds 1 --repeats 1 --algorithms $every --set train.device=cuda train.batch_clients=true
 [ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }
