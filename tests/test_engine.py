@@ -285,6 +285,25 @@ def test_a_diverged_client_is_reported_once_and_a_sound_run_is_not(caplog):
     assert blown.metrics[0]["train_loss"] > 10 * math.log(10)
 
 
+def test_a_client_whose_model_blew_up_is_counted_not_hidden(caplog):
+    """A NaN model still gets an accuracy (argmax of NaN logits), but its loss is NaN and
+    the round's ``loss`` is a mean of the finite ones: without a count the clients a
+    divergence killed vanish from the loss and show only as a low accuracy."""
+    sim = Simulation(fast_config("train.rounds=2", "algorithm.name=local"), progress=False)
+    with caplog.at_level("WARNING", logger="edgepfl"):
+        sim.step()
+        assert sim.metrics[-1]["clients_diverged"] == 0
+        for t in sim.clients.row(3).values():  # client 3's personal model, in place
+            if t.is_floating_point():
+                t.fill_(math.nan)
+        sim.step()
+    row = sim.metrics[-1]
+    assert row["clients_diverged"] == 1 and math.isfinite(row["loss"])
+    said = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    assert len(said) == 1 and "clients 3)" in said[0] and said[0].startswith("round 2:")
+    assert sim.summary()["clients_diverged_final"] == 1
+
+
 def test_a_server_that_chooses_impossible_participants_is_stopped(monkeypatch):
     sim = Simulation(fast_config("train.participation=0.5"), progress=False)
     for chosen in ([2, 1], [0, 0], [6], []):

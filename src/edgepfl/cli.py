@@ -79,6 +79,10 @@ def _print_summary(summary: dict, out: Path | None) -> None:
         f"± {pct(summary['acc_std_final'])} across clients, worst client "
         f"{pct(summary['acc_min_final'])}; {summary['bytes_up_total'] / 1e6:.2f} MB up, "
         f"{summary['bytes_down_total'] / 1e6:.2f} MB down, {summary['wall_time_s']:.1f} s")
+    if summary.get("clients_diverged_final"):
+        click.echo(f"  {summary['clients_diverged_final']} client(s) ended with a model whose "
+                   "test loss is not finite (its training diverged): counted in the accuracy, "
+                   "left out of the loss")
     if summary.get("stopped_early"):
         click.echo(f"  stopped early after round {summary['stopped_round']} of "
                    f"{summary['rounds_planned']}: {summary['stop_reason']}")

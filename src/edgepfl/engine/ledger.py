@@ -30,7 +30,8 @@ METRIC_COLUMNS = ["round", "acc_mean", "acc_weighted", "acc_std", "acc_min", "lo
                   *COST_COLUMNS, *LINK_COLUMNS]
 VAL_BEST = ("val_all", "test_all", "val_selected", "test_selected")
 NO_EVAL = {"acc_mean": math.nan, "acc_weighted": math.nan, "acc_std": math.nan,
-           "acc_min": math.nan, "loss": math.nan, "acc_mean_selected": math.nan}
+           "acc_min": math.nan, "loss": math.nan, "acc_mean_selected": math.nan,
+           "clients_diverged": math.nan}
 
 
 @dataclass
@@ -200,6 +201,14 @@ def accuracy_row(accs: list[float], losses: list[float], test_sizes: np.ndarray)
             "loss": float(np.nanmean(losses))}
 
 
+def diverged(accs: list[float], losses: list[float]) -> list[int]:
+    """The clients evaluated (an accuracy) whose test loss is not finite: a model whose
+    weights blew up. Their accuracy counts in ``acc_mean``; ``loss`` (a mean of finite
+    values) leaves them out, so this is where they show."""
+    return [c for c, (a, v) in enumerate(zip(accs, losses, strict=True))
+            if not math.isnan(a) and not math.isfinite(v)]
+
+
 def mean_over(accs: list[float], clients: list[int]) -> float:
     """The mean accuracy of ``clients`` (those evaluated)."""
     chosen = [accs[c] for c in clients if not math.isnan(accs[c])]
@@ -247,6 +256,7 @@ def accuracy_summary(metrics: list[dict], client_acc: list[float]) -> dict:
         "acc_weighted_final": final["acc_weighted"] if final else None,
         "acc_std_final": final["acc_std"] if final else None,
         "acc_min_final": final["acc_min"] if final else None,
+        "clients_diverged_final": int(final.get("clients_diverged", 0)) if final else None,
         "final_round": final["round"] if final else None,
         "acc_clients_final": client_acc,
     }

@@ -35,6 +35,7 @@ from edgepfl.engine.ledger import (
     Ledger,
     accuracy_row,
     accuracy_summary,
+    diverged,
     mean_over,
     named_rows,
     named_summary,
@@ -83,6 +84,7 @@ class Rounds:
         self.edges: list[Edge] = [parts.edge(k) for k in range(fed.edges)]
         self.ledger = Ledger(fed.num_clients, fed.edges, self._state_bytes())
         self._divergence_warned = False
+        self._nonfinite_warned = False
         self._selected: list[int] = []
         # the transport's clients report the FLOPs of their work (the simulation's do)
         self.counting = self.flops.enabled and transport.counts_flops
@@ -359,6 +361,15 @@ class Rounds:
         accs = [f.correct / f.count if f.count else math.nan for f in figures.values()]
         losses = [f.loss / f.count if f.count else math.nan for f in figures.values()]
         row = accuracy_row(accs, losses, counts)
+        blown = diverged(accs, losses)
+        row["clients_diverged"] = float(len(blown))
+        if blown and not self._nonfinite_warned:
+            self._nonfinite_warned = True
+            log.warning("round %d: %d client(s) hold a model whose test loss is not finite "
+                        "(clients %s%s): their accuracy counts in acc_mean, their loss is left "
+                        "out of `loss`; metrics.csv counts them in clients_diverged", rnd,
+                        len(blown), ", ".join(map(str, blown[:8])),
+                        ", ..." if len(blown) > 8 else "")
         row.update(self.server.evaluation_metrics(rnd, list(accs)))
         row["acc_mean_selected"] = mean_over(accs, self._selected)
         val_accs = None
