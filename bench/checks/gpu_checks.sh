@@ -42,8 +42,8 @@ step eval_batched python "$bench/speed/eval_batched.py" --device cuda --clients 
     --chunk 100 --repeats 5
 # the per-algorithm table's GPU columns (bench/speed/README.md, "Each algorithm's round"):
 # every algorithm but fedmd (whose first round alone is minutes of transfer learning),
-# sequential (with train.compile on the plain fits: the compiled GPU column) and batched;
-# read the wall-clock column
+# sequential (with train.compile on the plain fits: the compiled GPU column) and batched
+# (`--compiled` naming none: no compiled runs there); read the wall-clock column
 every=$(python -c "from edgepfl.algorithms import ALGORITHMS as A
 print(' '.join(n for n in sorted(A) if n != 'fedmd'))")
 step algorithm_rounds_cuda python "$bench/speed/algorithm_rounds.py" --fraction 0.03 --rounds 1 \
