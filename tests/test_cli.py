@@ -25,6 +25,25 @@ def test_list_names_everything():
         assert word in res.output, word
 
 
+def test_every_listed_default_is_read_back_by_set():
+    """`list` shows defaults so that a user can copy one into --set; system.tiers' default,
+    made of sections, is shown as TOML rather than Python's object text."""
+    from edgepfl.config import Config, config_from_sources, describe_sections
+
+    for key, shown, _ in describe_sections():
+        if shown == "None":  # unset: nothing to copy
+            continue
+        cfg = config_from_sources(None, ["system.devices=tiers", f"{key}={shown}"]
+                                  if key == "system.tiers" else [f"{key}={shown}"])
+        section, _, name = key.partition(".")
+        got = getattr(getattr(cfg, section), name) if name else getattr(cfg, section)
+        want = (Config.model_fields[section].get_default(call_default_factory=True)
+                if not name else getattr(getattr(Config(), section), name))
+        assert got == want, key
+    res = invoke("list", "system.tiers")
+    assert 'name = "weak"' in res.output and "DeviceTier(" not in res.output
+
+
 def test_run_writes_a_run_directory_and_prints_the_summary(tmp_path):
     res = invoke("run", *FAST, "--out", str(tmp_path / "r"))
     assert res.exit_code == 0, res.output

@@ -49,6 +49,31 @@ def test_list_shows_a_plugins_names_and_where_they_come_from():
     assert f"(plug-in {EXAMPLE})" in res.output
     res = invoke("list", "--plugin", str(EXAMPLE), "algorithm.server_lr")
     assert "fedavgm hyperparameters" in res.output and "(default 1.0)" in res.output
+    # an algorithm's name lists its settings, whatever their descriptions say
+    res = invoke("list", "--plugin", str(EXAMPLE), "fedavgm")
+    assert "algorithm.server_lr" in res.output and "algorithm.momentum" in res.output
+
+
+def test_compare_and_tune_take_a_plugins_algorithm(tmp_path):
+    """In a fresh process, where only --plugin or the config's plugins can make the name
+    known before --algorithms / --algorithm are checked."""
+    tiny = ["--set", "dataset.name=blobs", "--set", "model.name=tiny_mlp", "--set",
+            "train.rounds=1", "--set", "partition.clients=4", "--set", "output.plots=false",
+            "--quiet", "--threads", "1"]
+    cli = [sys.executable, "-m", "edgepfl.cli"]
+    done = subprocess.run([*cli, "compare", "--plugin", str(EXAMPLE), "--algorithms",
+                           "fedavg,fedavgm", "--seeds", "0", *tiny, "--out", str(tmp_path / "cmp")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = (tmp_path / "cmp" / "comparison.csv").read_text()
+    assert "fedavgm" in rows and "fedavg" in rows
+    config = tmp_path / "plug.toml"
+    config.write_text(f"plugins = [{json.dumps(str(EXAMPLE))}]\n")
+    done = subprocess.run([*cli, "tune", str(config), "--algorithm", "fedavgm", "--trials", "1",
+                           "--set", "eval.validation=0.25", *tiny, "--study", str(tmp_path / "t")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "t" / "best.json").read_text())["algorithm"] == "fedavgm"
 
 
 def test_fedavgm_without_momentum_is_fedavg_and_with_it_is_not():

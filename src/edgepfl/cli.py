@@ -44,12 +44,14 @@ def _plugin_option(fn):
 
 
 def _with_plugins(cfg, plugins: tuple[str, ...]):
-    """``cfg`` with the --plugin specs added to its ``plugins`` (and loaded)."""
-    if not plugins:
-        return cfg
+    """``cfg`` with the --plugin specs added to its ``plugins``, and every plug-in it names
+    loaded, so that a command can check the names they register (``--algorithms``)."""
     from edgepfl.config import build_config
     from edgepfl.plugins import load_plugins, recorded
 
+    if not plugins:
+        load_plugins(cfg.plugins)
+        return cfg
     merged = recorded([*cfg.plugins, *plugins])
     load_plugins(merged)
     return build_config({**cfg.model_dump(), "plugins": merged})
@@ -231,10 +233,10 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
     from edgepfl.config import config_from_sources
     from edgepfl.report.compare import compare as run_compare
 
+    cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
     names = _csv_list(algorithms, str, "--algorithms")
     for name in names:
         get_algorithm(name)
-    cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
     seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
     settings = notes = None
     if tuned:
@@ -334,8 +336,8 @@ def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str,
     from edgepfl.report.tune import study_location
     from edgepfl.report.tune import tune as run_tune
 
-    get_algorithm(algorithm)
     cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
+    get_algorithm(algorithm)
     folder, _ = study_location(study, algorithm)
     fixed = [o.partition("=")[0].strip() for o in overrides]
     best = run_tune(cfg, algorithm, trials, folder if study is None else study, space=space,
@@ -399,9 +401,9 @@ def list_(pattern: str | None, plugins: tuple[str, ...]) -> None:
 
     shown = 0
 
-    def section(title: str, items: dict[str, str]) -> None:
+    def section(title: str, items: dict[str, str], whole: bool = False) -> None:
         nonlocal shown
-        items = {k: v for k, v in items.items() if matches(k, v)}
+        items = items if whole else {k: v for k, v in items.items() if matches(k, v)}
         if not items:
             return
         shown += len(items)
@@ -424,8 +426,10 @@ def list_(pattern: str | None, plugins: tuple[str, ...]) -> None:
     for name, algo in ALGORITHMS.items():
         rows = algo.describe()
         if rows:
+            # `edgepfl list kapc` asks for KAPC's settings, whatever their descriptions say
+            named = pattern is not None and fnmatch.fnmatch(name, pattern.lower())
             section(f"{name} hyperparameters",
-                    {f"algorithm.{k}": f"{d}  (default {v})" for k, v, d in rows})
+                    {f"algorithm.{k}": f"{d}  (default {v})" for k, v, d in rows}, whole=named)
     if pattern is not None and not shown:
         raise click.ClickException(f"nothing listed matches {pattern!r}")
 

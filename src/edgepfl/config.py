@@ -156,7 +156,8 @@ class TrainConfig(_Section):
         "follows the beginning of a longer schedule (HMPL Sec. IV-B decays over up to 800 "
         "rounds); None = train.rounds; only with a decay")
     momentum: float = Field(0.0, ge=0, lt=1, description="client SGD momentum (reset every round)")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="client SGD weight decay (L2 penalty "
+                                "added to each gradient)")
     participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round "
                                  "(in a hierarchy: of each edge's clients)")
     early_stopping: int = Field(
@@ -499,5 +500,34 @@ def describe_sections() -> list[tuple[str, str, str]]:
             continue
         for key, sub in model.model_fields.items():
             default = sub.get_default(call_default_factory=True)
-            rows.append((f"{section}.{key}", repr(default), sub.description or ""))
+            rows.append((f"{section}.{key}", shown_default(default), sub.description or ""))
     return rows
+
+
+def shown_default(value: Any) -> str:
+    """A default as ``list`` shows it: Python's repr for a plain value (which ``--set``
+    reads back, None aside: unset), TOML for one made of sections (system.tiers), whose
+    repr is Python's object text that neither ``--set`` nor a file accepts."""
+    if not _has_section(value):
+        return repr(value)
+
+    def toml(v: Any) -> str:
+        if isinstance(v, BaseModel):
+            v = v.model_dump()
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {toml(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(toml(x) for x in v) + "]"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return json.dumps(v) if isinstance(v, str) else repr(v)
+
+    return toml(value)
+
+
+def _has_section(value: Any) -> bool:
+    if isinstance(value, BaseModel):
+        return True
+    if isinstance(value, dict):
+        return any(_has_section(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_has_section(v) for v in value)

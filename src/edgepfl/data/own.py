@@ -89,8 +89,10 @@ def load(name: str, source: Source) -> _Raw:
                           f"not set; e.g. --set dataset.path=path/to/{_example(name)}")
     path = Path(source.path).expanduser().absolute()
     if not path.exists():
+        what = {"npz": "the .npz file (numpy.savez)", "imagefolder": "the folder of class folders",
+                "hf": "the folder written by Hugging Face datasets' save_to_disk"}[name]
         raise DataError(f"dataset.path = {str(path)!r} does not exist; dataset.name = {name!r} "
-                        f"reads {_example(name)} there")
+                        f"reads {what} at dataset.path")
     test_fraction = float(source.test_fraction)
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"dataset.test_fraction must be in (0, 1), got {source.test_fraction!r}")
