@@ -40,8 +40,8 @@ def recording(sim: Simulation) -> list:
     seen = []
     train = sim.rounds._train
 
-    def spy(step, down, losses):
-        delivery = train(step, down, losses)
+    def spy(step, down, losses, *cells):
+        delivery = train(step, down, losses, *cells)
         seen.append((step, sorted(down), delivery))
         return delivery
 
@@ -148,6 +148,26 @@ def test_a_late_reply_is_not_aggregated_and_the_round_waits_for_the_deadline():
     waited = Simulation(config("fedavg", "train.rounds=1", "faults.straggler_rate=0.5",
                                "faults.straggler_delay=1000"), progress=False).step()
     assert waited["clients_failed"] == 0 and waited["t_round"] > 2 * slowest
+
+
+@pytest.mark.parametrize("timing", ["phase", "chain"])
+def test_each_edge_round_ends_by_the_deadline(timing):
+    """In a hierarchy each edge's clients wait for each other's phases, not for another
+    edge's: lateness is decided per edge, and every edge round the cloud's row sums ends
+    by the deadline."""
+    plain = Simulation(config("hierfavg", "train.rounds=1", f"system.round_timing={timing}"),
+                       progress=False).step()
+    # just short of the critical edge's mean edge round: under phase timing some clients
+    # whose own chains fit must still be given up on
+    deadline = 0.95 * (plain["t_down"] + plain["t_compute"] + plain["t_up"]) / 2
+    sim = Simulation(config("hierfavg", "train.rounds=1", f"system.round_timing={timing}",
+                            f"faults.deadline={deadline}"), progress=False)
+    seen = recording(sim)
+    row = sim.step()
+    assert any(d.late for _, _, d in seen)
+    # the critical edge's two edge rounds, each at most the deadline
+    assert row["t_down"] + row["t_compute"] + row["t_up"] + row["t_wait"] \
+        <= 2 * deadline * (1 + 1e-9)
 
 
 def test_a_run_with_faults_resumes_to_the_straight_runs_figures(tmp_path):

@@ -17,6 +17,7 @@ from edgepfl.system import (
     build_system_config,
     cost_totals,
     count_flops,
+    late_clients,
     not_counted,
     peak_rss_bytes,
     shannon_rate,
@@ -128,6 +129,42 @@ def test_chain_round_is_the_max_over_client_chains():
     assert c["t_round"] == pytest.approx(max(8, 8, 3) + 0.2)
     assert (c["t_down"], c["t_compute"], c["t_up"]) == pytest.approx((4.0, 1.0, 3.0))
     assert c["t_round"] <= phase["t_round"]
+
+
+def test_a_deadline_decides_lateness_on_the_rounds_own_clock():
+    """Under phase timing every phase waits for its slowest client, so three clients whose
+    own chains (6 s) fit a 7 s deadline still cannot all be on time: their phases take
+    12 s. Dropping clients until the phases fit keeps the priced round within the deadline;
+    under chain timing a reply arrives after its client's own chain."""
+    times = {0: (4.0, 1.0, 1.0), 1: (1.0, 4.0, 1.0), 2: (1.0, 1.0, 4.0)}
+    assert late_clients(times, 7.0, "chain") == frozenset()
+    late = late_clients(times, 7.0, "phase")
+    rest = [times[c] for c in times if c not in late]
+    assert late == {1, 2}  # equal chains: the highest id first
+    assert sum(max(t[i] for t in rest) for i in range(3)) <= 7.0
+    assert late_clients(times, 12.0, "phase") == frozenset()
+    assert late_clients(times, 5.0, "chain") == late_clients(times, 5.0, "phase") == {0, 1, 2}
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        drawn = {c: tuple(rng.exponential(1.0, 3)) for c in range(int(rng.integers(1, 8)))}
+        deadline = float(rng.uniform(0.5, 6.0))
+        for timing in ("phase", "chain"):
+            late = late_clients(drawn, deadline, timing)
+            assert late >= {c for c, t in drawn.items() if sum(t) > deadline}
+            on_time = [drawn[c] for c in drawn if c not in late]
+            if on_time and timing == "phase":
+                assert sum(max(t[i] for t in on_time) for i in range(3)) <= deadline + 1e-12
+            if on_time and timing == "chain":
+                assert max(sum(t) for t in on_time) <= deadline
+
+
+def test_a_late_receiver_still_takes_its_share_of_the_band():
+    fdma = model(n=4, **{**POINT_LINK, "downlink_sharing": "fdma"})
+    down = {c: 10**6 for c in range(4)}
+    four = fdma.round_costs([0, 1, 2, 3], down, {}, {}, 0)
+    late = fdma.round_costs([0, 1, 2, 3], down, {}, {}, 0, late=frozenset({3}), deadline=1e9)
+    assert late["t_down"] == pytest.approx(four["t_down"])
+    assert late["t_round"] == pytest.approx(1e9)
 
 
 def test_fdma_splits_the_server_band_among_receivers():

@@ -18,7 +18,7 @@ from edgepfl.engine.schedule import can_stop_early
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.faults import draw_faults
 from edgepfl.federation.messages import Message
-from edgepfl.system import SystemModel
+from edgepfl.system import SystemModel, late_clients
 
 log = logging.getLogger("edgepfl")
 
@@ -148,10 +148,13 @@ def check_runtime(cfg: Config, system: SystemModel | None, flops: bool, counts_f
 
 
 def deliver(transport: Transport, f: FaultsConfig, seed: int, system: SystemModel | None,
-            step: object, down: dict[int, Message]) -> Delivery:
+            step: object, down: dict[int, Message],
+            cells: list[list[int]] | None = None) -> Delivery:
     """Send ``down`` over ``transport``, less the clients the fault model drops (``f``,
     drawn from the run seed and the step), and mark the replies later than
-    ``faults.deadline`` by the system model's clock."""
+    ``faults.deadline`` by the system model's clock (``late_clients``, under the round's
+    timing). ``cells``: the groups of clients that share a band and wait for each other's
+    phases (each edge's clients in a hierarchy; default: all of ``down``)."""
     faults = draw_faults(seed, step, list(down), f.drop_rate, f.straggler_rate)
     got = transport.train(step, {c: m for c, m in down.items() if c not in faults.dropped})
     replies = {c: r for c, r in got.items() if isinstance(r, ClientReply)}
@@ -160,11 +163,14 @@ def deliver(transport: Transport, f: FaultsConfig, seed: int, system: SystemMode
                         deadline=f.deadline,
                         lost={c: str(r) for c, r in got.items() if isinstance(r, ClientFailure)})
     if f.deadline is not None:
-        times = system.client_times(
-            list(replies), delivery.bytes_down(down, list(replies)),
-            delivery.priced_up(list(replies)), delivery.flops(list(replies)),
-            delivery.slowdown)
-        delivery.late = frozenset(c for c, (d, t, u) in times.items() if d + t + u > f.deadline)
+        late: set[int] = set()
+        for cell in (cells if cells is not None else [list(down)]):
+            mine = [c for c in cell if c in replies]
+            times = system.client_times(
+                mine, delivery.bytes_down(down, mine), delivery.priced_up(mine),
+                delivery.flops(mine), delivery.slowdown)
+            late |= late_clients(times, f.deadline, system.cfg.round_timing)
+        delivery.late = frozenset(late)
     return delivery
 
 

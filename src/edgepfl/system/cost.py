@@ -147,15 +147,15 @@ class SystemModel:
         FLOPs still count: the devices spent them.
         """
         on_time = [c for c in selected if c not in late]
-        times = self.client_times(on_time, bytes_down, bytes_up, flops_client, slowdown)
+        # the late clients received their model too: under fdma they shared the band
+        times = {c: t for c, t in self.client_times(selected, bytes_down, bytes_up,
+                                                       flops_client, slowdown).items()
+                 if c not in late}
         t_server = math.nan if flops_server is None else flops_server / self.cfg.server_flops
         if not times:
             t_down = t_compute = t_up = 0.0
         elif self.cfg.round_timing == "phase":
-            t_down = max(d for d, _, _ in times.values())
-            t_up = max(u for _, _, u in times.values())
-            compute = [c for _, c, _ in times.values()]
-            t_compute = math.nan if any(math.isnan(c) for c in compute) else max(compute)
+            t_down, t_compute, t_up = phase_times(times.values())
         else:
             def chain(cid: int) -> float:
                 d, c, u = times[cid]
@@ -268,6 +268,37 @@ class SystemModel:
                        server_power_w=self.links.server_power_w,
                        noise_w_per_hz=self.links.noise_w_per_hz)
         return out
+
+
+def phase_times(times: Iterable[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """The phases of a round whose every phase waits for its slowest client: the largest
+    download, compute and upload; compute NaN when any client's is (not counted)."""
+    times = list(times)
+    compute = [c for _, c, _ in times]
+    return (max(d for d, _, _ in times),
+            math.nan if any(math.isnan(c) for c in compute) else max(compute),
+            max(u for _, _, u in times))
+
+
+def late_clients(times: Mapping[int, tuple[float, float, float]], deadline: float,
+                 round_timing: str) -> frozenset[int]:
+    """The clients whose replies miss ``deadline``, from their (download, compute, upload)
+    seconds. ``chain``: a reply arrives after its client's own three. ``phase``: every
+    phase waits for the slowest of the clients the server still waits for, so a reply
+    arrives when the phases end; the server gives up on clients, the longest own chain
+    first (ties: the highest id), until the phases of the rest end by the deadline. Either
+    way the round priced from the on-time clients ends by the deadline."""
+    def chain(cid: int) -> float:
+        d, c, u = times[cid]
+        return d + u + (0.0 if math.isnan(c) else c)
+
+    late = {c for c in times if chain(c) > deadline}
+    if round_timing == "phase":
+        rest = sorted((c for c in times if c not in late), key=lambda c: (chain(c), c))
+        while rest and sum(0.0 if math.isnan(t) else t
+                           for t in phase_times(times[c] for c in rest)) > deadline:
+            late.add(rest.pop())
+    return frozenset(late)
 
 
 def _unit(cfg: SystemConfig) -> str:
