@@ -60,6 +60,22 @@ def test_table_splits_time_per_round_like_kapc_table5(tmp_path):
                    "1.500", "300.0"]
 
 
+def test_a_deadlines_wait_gets_its_column_so_the_shares_add_up(tmp_path):
+    waited = make_run(tmp_path / "w")
+    summary = json.loads((waited / "summary.json").read_text())
+    summary.update(t_round_total=12.0 * 4, t_wait_total=2.0 * 4)
+    (waited / "summary.json").write_text(json.dumps(summary))
+    text = report_table([make_run(tmp_path / "a"), waited])
+    header = text.split("## Time per round")[1].split("\n")[2]
+    assert header.strip("| ").split(" | ")[-1] == "wait"
+    plain, wait = table_rows(text, "Time per round")
+    # a run that never recorded a wait (made before t_wait existed) shows n/a
+    assert plain[-1] == "n/a" and wait[-1] == "2.00 (16.7%)"
+    shares = [float(c.split("(")[1].rstrip("%)")) for c in wait[3:]]
+    assert sum(shares) == pytest.approx(100.0, abs=0.2)
+    assert "wait" not in report_table([make_run(tmp_path / "b")]).split("## Time per round")[1].split("##")[0]
+
+
 def test_totals_fall_back_to_the_per_round_columns(tmp_path):
     text = report_table([make_run(tmp_path / "a", totals=False)])
     assert table_rows(text, "Time per round")[0][2:4] == ["10.00", "5.00 (50.0%)"]

@@ -121,6 +121,9 @@ def report_table(run_dirs: list[Path]) -> str:
     runs = load_runs(run_dirs)
     # a hierarchy's columns (backhaul time, edge work, edge <-> cloud bytes), when any run has one
     tiered = any(run.summary.get("edges") for run in runs)
+    # the wait for replies past faults.deadline, when any run waited: else the shares of a
+    # round with a deadline would not add up to its time
+    waited = any(run.summary.get("t_wait_total") for run in runs)
 
     def per_round(run: RunRecord, col: str) -> float:
         return run.per_round(col, TOTAL_KEYS[col])
@@ -132,8 +135,8 @@ def report_table(run_dirs: list[Path]) -> str:
              "counted by torch FlopCounterMode (matrix products and convolutions).", "",
              "## Time per round (s)", "",
              _row(["run", "algorithm", "time", "U-comm", "D-comm", "client", "server"]
-                  + (["backhaul", "edge"] if tiered else [])),
-             _row(["---"] * (9 if tiered else 7))]
+                  + (["backhaul", "edge"] if tiered else []) + (["wait"] if waited else [])),
+             _row(["---"] * (7 + 2 * tiered + waited))]
     for run in runs:
         t = per_round(run, "t_round")
         lines.append(_row([run.label, str(run.summary.get("algorithm", NA)), _fmt(t),
@@ -141,7 +144,8 @@ def report_table(run_dirs: list[Path]) -> str:
                            _share(per_round(run, "t_compute"), t),
                            _share(per_round(run, "t_server"), t)]
                           + ([_share(per_round(run, "t_backhaul"), t),
-                              _share(per_round(run, "t_edge"), t)] if tiered else [])))
+                              _share(per_round(run, "t_edge"), t)] if tiered else [])
+                          + ([_share(per_round(run, "t_wait"), t)] if waited else [])))
     lines += ["", "## Communication and computation per round", "",
               _row(["run", "algorithm", "U-comm (MB)", "D-comm (MB)", "C-comp (GFLOPs)",
                     "S-comp (GFLOPs)"] + (["edge-cloud U (MB)", "edge-cloud D (MB)"] if tiered else [])),
