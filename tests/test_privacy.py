@@ -367,4 +367,6 @@ def test_flower_accounts_as_the_simulation(level):
     for a, b in zip(ours.metrics, sim.metrics, strict=True):
         assert a["epsilon"] == b["epsilon"]
         assert a["acc_mean"] == b["acc_mean"]
+        # the un-noised training loss stays on the devices; the simulation measures it
+        assert math.isnan(a["train_loss"]) and math.isfinite(b["train_loss"])
     assert ours.summary["epsilon"] == sim.summary()["epsilon"]

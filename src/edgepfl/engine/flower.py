@@ -101,6 +101,8 @@ STATE_DIR = "state-dir"
 OUT = "out"
 WAIT = "wait"
 TIMEOUT = "timeout"
+# a client's reply statistics that come from its data without noise
+UNNOISED_STATS = ("train_loss", "samples")
 MIN_NODES = "min-nodes"
 RESUME = "resume"
 # the ServerApp's own, with defaults (min-nodes: every client's node)
@@ -305,6 +307,11 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     content = to_content(result.reply)
     # a NaN loss travels as NaN, so that a diverging client shows, as in the simulation
     stats = {k: float(v) for k, v in result.stats.items()}
+    if cfg.privacy.level != "none":
+        # the loss and the count of samples seen are computed from the data without noise:
+        # under a privacy guarantee they stay on the device (docs/user-guide.md, "Outside
+        # the guarantee"); the simulation keeps them as a measurement
+        stats = {k: v for k, v in stats.items() if k not in UNNOISED_STATS}
     content[STATS] = MetricRecord({**stats, "num_samples": train.n, "train_s": train_s})
     return FlowerMessage(content, reply_to=message)
 
