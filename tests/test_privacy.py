@@ -184,6 +184,33 @@ def test_sample_epsilon_is_the_librarys(kind):
     assert sample_epsilon(((0.05, 400),), 1.1, 1e-4, kind) == acc.get_epsilon(1e-4)
 
 
+def test_sample_level_can_account_under_replace_one():
+    """With a client's sample count public (it leaves in every reply), the matching relation
+    is replace-one: the run's epsilon is the library's under it, above add-or-remove's."""
+    acc = dp.pld.PLDAccountant(dp.NeighboringRelation.REPLACE_ONE)
+    acc.compose(dp.PoissonSampledDpEvent(0.05, dp.GaussianDpEvent(1.1)), 400)
+    replace = sample_epsilon(((0.05, 400),), 1.1, 1e-4, "pld", "replace_one")
+    assert replace == acc.get_epsilon(1e-4) > sample_epsilon(((0.05, 400),), 1.1, 1e-4, "pld")
+    over = ["algorithm.name=fedavg", "privacy.level=sample", "privacy.noise_multiplier=1.1",
+            "privacy.delta=1e-3", "privacy.accountant=pld"]
+    plain, replaced = run(*over).summary(), run(*over, "privacy.relation=replace_one").summary()
+    assert replaced["epsilon"] > plain["epsilon"]
+    assert replaced["privacy"]["relation"] == "replace_one"
+    assert "replace-one" in replaced["privacy"]["sampling"]
+    assert plain["privacy"]["relation"] == "add_remove"
+
+
+@pytest.mark.parametrize("over,words", [
+    (["privacy.level=sample", "privacy.relation=replace_one"], ["replace_one", "pld"]),
+    (["privacy.level=client", "privacy.relation=add_remove"], ["add_remove", "replace_one"]),
+])
+def test_a_relation_the_accounting_cannot_take_is_refused(over, words):
+    with pytest.raises(ConfigError) as err:
+        run("algorithm.name=fedavg", *over)
+    for word in words:
+        assert word in str(err.value), word
+
+
 def test_calibrated_noise_is_the_smallest_within_the_budget():
     def epsilon_of(noise):
         return client_epsilon(((50, 5),), noise, 1, 20, 0.02)

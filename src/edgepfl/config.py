@@ -331,6 +331,13 @@ class PrivacyConfig(_Section):
         "rdp", description="dp-accounting's accountant: rdp (Renyi DP; the only one with "
         "fixed-size sampling without replacement, which client level needs) or pld "
         "(privacy loss distributions, tighter; sample level only)")
+    relation: Literal["add_remove", "replace_one"] | None = Field(
+        None, description="the neighbouring data sets the epsilon is accounted for; None: "
+        "the level's own. Sample level: add_remove (one sample added or removed; the "
+        "default, the DP-SGD literature's, though a client's sample count leaves it in "
+        "clear) or replace_one (one sample replaced, so the count may be public; a larger "
+        "epsilon; needs privacy.accountant = 'pld'). Client level: replace_one only (the "
+        "number of clients is public)")
     noise_at: Literal["edge", "cloud"] = Field(
         "edge", description="in a hierarchy (topology.edges > 0), where client-level noise is "
         "added: edge = at each edge, which sees its clients' clipped updates (each client "

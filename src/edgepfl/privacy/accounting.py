@@ -96,17 +96,23 @@ def sample_event(rate: float, noise_multiplier: float) -> Any:
     return dp.PoissonSampledDpEvent(rate, dp.GaussianDpEvent(noise_multiplier))
 
 
-def accountant_of(kind: str) -> Any:
-    """A fresh accountant of ``privacy.accountant`` for the add-or-remove-one relation."""
+def accountant_of(kind: str, relation: str = "add_remove") -> Any:
+    """A fresh accountant of ``privacy.accountant`` for ``privacy.relation`` (replace_one:
+    PLD only, dp-accounting's RDP has no Poisson sampling under it)."""
     dp = library()
+    neighbours = {"add_remove": dp.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                  "replace_one": dp.NeighboringRelation.REPLACE_ONE}[relation]
     if kind == "pld":
-        return dp.pld.PLDAccountant(dp.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    return dp.rdp.RdpAccountant(neighboring_relation=dp.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        return dp.pld.PLDAccountant(neighbours)
+    if relation != "add_remove":
+        raise ValueError(f"the rdp accountant takes Poisson sampling under add_remove only, "
+                         f"not {relation!r}")
+    return dp.rdp.RdpAccountant(neighboring_relation=neighbours)
 
 
 @lru_cache(maxsize=65536)
 def sample_epsilon(events: tuple[tuple[float, int], ...], noise_multiplier: float,
-                   delta: float, kind: str = "rdp") -> float:
+                   delta: float, kind: str = "rdp", relation: str = "add_remove") -> float:
     """A client's epsilon after its DP-SGD steps: ``events`` is (sampling rate, steps) per
     rate it trained at (one, unless its data or batch size changed)."""
     events = tuple((rate, steps) for rate, steps in events if steps > 0 and rate > 0)
@@ -114,7 +120,7 @@ def sample_epsilon(events: tuple[tuple[float, int], ...], noise_multiplier: floa
         return 0.0
     if noise_multiplier == 0:
         return math.inf
-    accountant = accountant_of(kind)
+    accountant = accountant_of(kind, relation)
     for rate, steps in events:
         accountant.compose(sample_event(rate, noise_multiplier), steps)
     with _quiet():

@@ -34,7 +34,8 @@ log = logging.getLogger("edgepfl")
 SAMPLING = ("fixed-size sampling without replacement of each aggregator's clients every "
             "round (dp-accounting SampledWithoutReplacementDpEvent, replace-one, RDP)")
 POISSON = ("Poisson sampling of each client's samples at every DP-SGD step (dp-accounting "
-           "PoissonSampledDpEvent, add-or-remove-one)")
+           "PoissonSampledDpEvent, {relation})")
+RELATIONS = {"add_remove": "add-or-remove-one", "replace_one": "replace-one"}
 
 
 class RoundPrivacy:
@@ -64,6 +65,9 @@ class _Budgeted(RoundPrivacy):
         library()
         self.cfg = cfg
         self.p = cfg.privacy
+        # client level samples a fixed number of public clients: replace-one only
+        self.relation = self.p.relation or ("replace_one" if self.p.level == "client"
+                                            else "add_remove")
         self.federation = federation
         self._stops: dict[int, dict | None] = {}
 
@@ -110,7 +114,8 @@ class _Budgeted(RoundPrivacy):
     def details(self) -> dict[str, Any]:
         p = self.p
         return {"level": p.level, "noise_multiplier": p.noise_multiplier, "clip": p.clip,
-                "accountant": p.accountant, "target_epsilon": p.target_epsilon}
+                "accountant": p.accountant, "relation": self.relation,
+                "target_epsilon": p.target_epsilon}
 
 
 class ClientPrivacy(_Budgeted):
@@ -187,7 +192,8 @@ class SamplePrivacy(_Budgeted):
                 "simulated speeds allow, so what its next round spends is not known before it "
                 "runs; set topology.mode = 'sync', or leave privacy.target_epsilon unset")
         self.check_budget(None)
-        log.info("privacy: sample level (DP-SGD), %s", POISSON)
+        log.info("privacy: sample level (DP-SGD), %s",
+                 POISSON.format(relation=RELATIONS[self.relation]))
 
     # -- each client's record: [rate, steps] pairs in the ledger -------------------------
     @staticmethod
@@ -209,7 +215,8 @@ class SamplePrivacy(_Budgeted):
 
     def _epsilon(self, events: list[list[float]], size: int) -> float:
         key = tuple((float(r), int(s)) for r, s in events)
-        return sample_epsilon(key, self.p.noise_multiplier, self._delta(size), self.p.accountant)
+        return sample_epsilon(key, self.p.noise_multiplier, self._delta(size), self.p.accountant,
+                              self.relation)
 
     def _add(self, events: list[list[float]], rate: float, steps: int) -> list[list[float]]:
         out = [list(e) for e in events]
@@ -284,7 +291,7 @@ class SamplePrivacy(_Budgeted):
                 "delta": self.p.delta,
                 "privacy": {**self.details(), "delta": self.p.delta,
                             "delta_per_client": [self._delta(n) for n in sizes],
-                            "sampling": POISSON,
+                            "sampling": POISSON.format(relation=RELATIONS[self.relation]),
                             "steps_per_client": [sum(int(s) for _, s in ev)
                                                  for ev in self.record(ledger)["events"]]}}
 

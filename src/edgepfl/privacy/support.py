@@ -64,6 +64,12 @@ def _check_client(cfg: Config, federation: Federation) -> None:
             "each parameter would be averaged over a different random set of clients, and the "
             "noised sum's fixed denominator per parameter is not implemented (set "
             "model.tiers = {})")
+    if p.relation == "add_remove":
+        raise ConfigError(
+            "privacy.relation = 'add_remove' at client level: the engine samples a fixed "
+            "number of the (public) clients, which is accounted under replace-one (one "
+            "client's data replaced by another's); leave privacy.relation unset or set "
+            "'replace_one'")
     if p.accountant != "rdp":
         raise ConfigError(
             f"privacy.accountant = {p.accountant!r}: client level samples a fixed number of "
@@ -86,6 +92,11 @@ def _check_client(cfg: Config, federation: Federation) -> None:
 
 
 def _check_sample(cfg: Config, models: dict[str, torch.nn.Module]) -> None:
+    if cfg.privacy.relation == "replace_one" and cfg.privacy.accountant != "pld":
+        raise ConfigError(
+            f"privacy.relation = 'replace_one' with privacy.accountant = "
+            f"{cfg.privacy.accountant!r}: dp-accounting's RDP accountant has no Poisson "
+            "sampling under replace-one; set privacy.accountant = 'pld'")
     if cfg.train.compile != "off":
         raise ConfigError(
             f"privacy.level = 'sample' with train.compile = {cfg.train.compile!r}: DP-SGD's "
