@@ -40,8 +40,8 @@ def recording(sim: Simulation) -> list:
     seen = []
     train = sim.rounds._train
 
-    def spy(step, down, losses, *cells):
-        delivery = train(step, down, losses, *cells)
+    def spy(step, down, losses):
+        delivery = train(step, down, losses)
         seen.append((step, sorted(down), delivery))
         return delivery
 

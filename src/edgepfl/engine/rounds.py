@@ -176,13 +176,18 @@ class Rounds:
                     "client's local training has diverged (lower train.lr, or check the data)",
                     rnd, loss, DIVERGED, guess)
 
-    def _train(self, step: object, down: dict[int, Message], losses: list,
-               cells: list[list[int]] | None = None) -> Delivery:
+    def _train(self, step: object, down: dict[int, Message], losses: list) -> Delivery:
         """Deliver ``down`` to its clients, less the ones the fault model drops, and collect
         the replies. A reply later than ``faults.deadline``, a malformed one and a client
-        that did not reply are failures: logged, counted, never aggregated. ``cells``: the
-        clients of each edge, whose deadline is their edge round's."""
+        that did not reply are failures: logged, counted, never aggregated. In a hierarchy
+        each edge's clients meet the deadline of their own edge round."""
         f = self.cfg.faults
+        cells = None
+        if self.federation.hierarchical:
+            by_edge: dict[int, list[int]] = {}
+            for c in down:
+                by_edge.setdefault(self.federation.parent[c], []).append(c)
+            cells = list(by_edge.values())
         delivery = deliver(self.transport, f, self.cfg.seed, self.system, step, down, cells)
         for cid, reply in delivery.replies.items():
             if cid not in delivery.late:
@@ -302,8 +307,7 @@ class Rounds:
             # the client step seeds the clients' work: the same in both schedules up to k2
             step = (rnd - 1) * k2 + s if s <= k2 else ("async", rnd, s)
             clients = sorted(c for k in working for c in by_edge[k])
-            delivery = self._train(step, {c: down[c] for c in clients}, losses,
-                                   [by_edge[k] for k in working])
+            delivery = self._train(step, {c: down[c] for c in clients}, losses)
             book.delivered(delivery)
             for k in working:
                 mine = {c: delivery.arrived[c].message for c in by_edge[k] if c in delivery.arrived}
