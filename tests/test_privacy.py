@@ -200,6 +200,17 @@ def test_sample_level_can_account_under_replace_one():
     assert plain["privacy"]["relation"] == "add_remove"
 
 
+def test_the_headline_epsilon_comes_with_its_own_delta():
+    """At sample level with privacy.delta unset each client has its own delta (1 / its
+    samples): the summary's pair is the worst client's epsilon with that client's delta."""
+    summary = run("algorithm.name=fedavg", "privacy.level=sample", "partition.scheme=dirichlet",
+                  "partition.alpha=0.3").summary()
+    eps, deltas = summary["epsilon_per_client"], summary["privacy"]["delta_per_client"]
+    worst = eps.index(max(eps))
+    assert summary["epsilon"] == eps[worst] and summary["delta"] == deltas[worst]
+    assert len(set(deltas)) > 1
+
+
 @pytest.mark.parametrize("over,words", [
     (["privacy.level=sample", "privacy.relation=replace_one"], ["replace_one", "pld"]),
     (["privacy.level=client", "privacy.relation=add_remove"], ["add_remove", "replace_one"]),

@@ -286,9 +286,14 @@ class SamplePrivacy(_Budgeted):
     def summary(self, ledger: Any, rounds_done: int) -> dict[str, Any]:
         eps = self.epsilons(ledger)
         sizes = self.record(ledger).get("size", [0] * len(eps))
+        worst = max(range(len(eps)), key=lambda c: (eps[c], -c), default=None)
+        # the headline epsilon is one client's: the pair names that client's delta (each
+        # client's own, 1 / its samples, when privacy.delta is unset)
+        delta = (self.p.delta if self.p.delta is not None or worst is None
+                 else self._delta(sizes[worst]))
         return {"epsilon": max(eps, default=0.0),
                 "epsilon_per_client": eps,
-                "delta": self.p.delta,
+                "delta": delta,
                 "privacy": {**self.details(), "delta": self.p.delta,
                             "delta_per_client": [self._delta(n) for n in sizes],
                             "sampling": POISSON.format(relation=RELATIONS[self.relation]),
