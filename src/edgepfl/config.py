@@ -512,29 +512,21 @@ def describe_sections() -> list[tuple[str, str, str]]:
 
 
 def shown_default(value: Any) -> str:
-    """A default as ``list`` shows it: Python's repr for a plain value (which ``--set``
-    reads back, None aside: unset), TOML for one made of sections (system.tiers), whose
-    repr is Python's object text that neither ``--set`` nor a file accepts."""
-    if not _has_section(value):
-        return repr(value)
-
-    def toml(v: Any) -> str:
-        if isinstance(v, BaseModel):
-            v = v.model_dump()
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {toml(x)}" for k, x in v.items()) + "}"
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(toml(x) for x in v) + "]"
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        return json.dumps(v) if isinstance(v, str) else repr(v)
-
-    return toml(value)
+    """A default as ``list`` shows it, as ``--set`` reads it back: Python's repr for a plain
+    value (None aside: unset), TOML for a list, table or section (system.tiers), whose
+    repr would be Python's object text."""
+    if isinstance(value, (BaseModel, dict, list, tuple)):
+        return _toml(value)
+    return repr(value)
 
 
-def _has_section(value: Any) -> bool:
+def _toml(value: Any) -> str:
     if isinstance(value, BaseModel):
-        return True
+        value = value.model_dump()
     if isinstance(value, dict):
-        return any(_has_section(v) for v in value.values())
-    return isinstance(value, (list, tuple)) and any(_has_section(v) for v in value)
+        return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(x) for x in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else repr(value)

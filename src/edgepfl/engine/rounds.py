@@ -183,7 +183,7 @@ class Rounds:
         each edge's clients meet the deadline of their own edge round."""
         f = self.cfg.faults
         cells = None
-        if self.federation.hierarchical:
+        if self.federation.hierarchical and f.deadline is not None:
             by_edge: dict[int, list[int]] = {}
             for c in down:
                 by_edge.setdefault(self.federation.parent[c], []).append(c)
