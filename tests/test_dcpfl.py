@@ -34,7 +34,8 @@ QUICK = ("algorithm.name=dcpfl", "algorithm.t_start=2", "algorithm.s=2", "algori
 def test_registered():
     assert "dcpfl" in ALGORITHMS
     hp = ALGORITHMS["dcpfl"].hyperparameters()
-    assert (hp.s, hp.t_obv, hp.t_sp, hp.lambda_gamma, hp.tau, hp.alpha) == (5, 3, 6, 0.2, 5, 3)
+    assert (hp.t_start, hp.s, hp.t_obv, hp.t_sp, hp.lambda_gamma, hp.tau, hp.alpha, hp.low_ratio) == (
+        5, 5, 3, 6, 0.2, 5, 3, 0.1)
 
 
 def test_discrepancy_symmetric_zero_diagonal_affine_invariant():
@@ -164,14 +165,31 @@ def test_trial_keeps_new_grouping_only_if_loss_lower():
         sim.step()
     srv = sim.server
     model = {k: v.clone() for k, v in sim.server.ctx.init_model.items()}
-    tensors = {**{f"m0.{k}": v for k, v in model.items()}, **{f"m1.{k}": v for k, v in model.items()}}
+
+    def trained(tag: int, cid: int) -> dict[str, torch.Tensor]:
+        # distinct models per client and per trial model, so keeping the wrong one shows
+        return {k: v + 10.0 * tag + cid for k, v in model.items()}
+
     for l0, l1, accepted in ((1.0, 2.0, False), (2.0, 1.0, True)):
         srv.mode, srv.labels, srv.proposal, srv.proposal_gamma = TRIAL, [0] * 6, [0, 0, 0, 1, 1, 1], 0.8
         srv.retry_at = -1
-        replies = {c: Message(tensors, {"num_samples": 10, "loss0": l0, "loss1": l1}) for c in range(6)}
+        replies = {c: Message({**{f"m0.{k}": v for k, v in trained(0, c).items()},
+                               **{f"m1.{k}": v for k, v in trained(1, c).items()}},
+                              {"num_samples": 10, "loss0": l0, "loss1": l1}) for c in range(6)}
         srv.aggregate(7, replies)
         assert (srv.labels == [0, 0, 0, 1, 1, 1]) is accepted
         assert (srv.retry_at == 7 + srv.hp.t_sp) is not accepted
+        # the weights trained from the kept grouping's model are kept, and each group's
+        # model is the (equal-sample) average of its members' kept weights
+        kept = 1 if accepted else 0
+        groups = [[0, 1, 2], [3, 4, 5]] if accepted else [list(range(6))]
+        for members in groups:
+            for cid in members:
+                row, group = srv.uploads.row(cid), srv.group.row(cid)
+                for k in model:
+                    assert torch.allclose(row[k], trained(kept, cid)[k])
+                    mean = torch.stack([trained(kept, c)[k] for c in members]).mean(0)
+                    assert torch.allclose(group[k].float(), mean.float(), atol=1e-5)
 
 
 def test_resume_reproduces_metrics(tmp_path):

@@ -7,9 +7,14 @@ The paper reports, "when training converges", the final accuracy, the communicat
 the communication time and the total time (Table II). Its convergence point is not
 defined; here it is the first round from which the mean accuracy stays within
 ``TOLERANCE`` of the run's final mean accuracy. Communication rounds count the rounds up
-to that point in which any byte crossed a link (DC-PFL and Per-FedAvg have rounds
-without); times are the simulated ones of the system model (2 Mbit/s per client), summed
-over those rounds, each round taking its slowest client's time (docs/system.md).
+to that point in which a client uploaded model weights, the paper's definition (Sec. V-D:
+"the round where clients transmit data to the server"; DC-PFL's rounds between two
+aggregations of a layer are not communication rounds). DC-PFL still exchanges a few
+hundred bytes of control data in those rounds (its mode, the layers due, a client's
+loss), so for an algorithm that reports ``layers_up_mean`` a round counts when that is
+above 0, for the others when any byte went up. Times are the simulated ones of the system
+model (2 Mbit/s per client), summed over those rounds, each round taking its slowest
+client's time (docs/system.md).
 """
 
 from __future__ import annotations
@@ -49,6 +54,14 @@ def converged_round(acc: list[float], tolerance: float = TOLERANCE) -> int:
     return k
 
 
+def uploaded_weights(row: dict) -> bool:
+    """Whether a client uploaded model weights in this round (see the module's docstring)."""
+    layers = row.get("layers_up_mean") or ""
+    if layers:
+        return float(layers) > 0
+    return int(row["bytes_up"]) > 0
+
+
 def one_run(run: Path) -> dict:
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     acc = [float(r["acc_mean"]) for r in rows]
@@ -60,7 +73,7 @@ def one_run(run: Path) -> dict:
         "final": summary["acc_mean_final"], "best": summary["acc_mean_best"],
         "last": statistics.fmean(acc[-LAST:]),
         "worst": summary["acc_min_final"], "std": summary["acc_std_final"], "converged": k + 1,
-        "comm_rounds": sum(1 for r in upto if int(r["bytes_up"]) + int(r["bytes_down"]) > 0),
+        "comm_rounds": sum(1 for r in upto if uploaded_weights(r)),
         "comm_time": sum(float(r["t_down"]) + float(r["t_up"]) for r in upto),
         "total_time": sum(float(r["t_round"]) for r in upto),
         "mb": (summary["bytes_up_total"] + summary["bytes_down_total"]) / 1e6,

@@ -74,8 +74,9 @@ class DCPFLHyperparameters(Hyperparameters):
     s: int = Field(5, ge=1, description="loss smoothing window in rounds (paper Sec. III-C: 5)")
     t_obv: int = Field(3, ge=1, description="rounds the radius must not decrease to end an RDP "
                                              "(paper Sec. V: 3)")
-    t_sp: int = Field(6, ge=0, description="rounds the old grouping is kept after a rejected split "
-                                            "(paper Sec. V: 6)")
+    t_sp: int = Field(6, ge=0, description="normal rounds the old grouping is kept after a rejected "
+                                            "split before the same proposal is tried again "
+                                            "(a sync round, then a trial; paper Sec. V: 6)")
     lambda_gamma: float = Field(0.2, gt=0, le=1, description="step of the normalised threshold "
                                                               "gamma~ per split (paper Sec. V: 0.2)")
     tau: int = Field(5, ge=1, description="aggregation interval of high-discrepancy layers in "
