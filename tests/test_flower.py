@@ -110,7 +110,7 @@ class ReversedGrid(LocalGrid):
 
 
 @pytest.mark.parametrize("algorithm,extra,grid", [
-    ("kapc", {}, LocalGrid),                              # relation cube + client personal model
+    ("kapc_bls", {}, LocalGrid),  # relation cube, client personal model, ages down
     ("moon", {}, LocalGrid),                              # previous local model on the client
     ("pfedla", {"train.participation": 0.67}, LocalGrid),  # hypernetworks, sampled clients
     ("fedavg", {"partition.clients": 4}, ReversedGrid),    # replies out of order

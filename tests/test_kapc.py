@@ -62,6 +62,11 @@ def _record(sim: Simulation) -> tuple[list, list]:
     return down, up
 
 
+def _age_bytes(sim: Simulation, messages: int) -> int:
+    """Bytes of kapc_bls's ``age`` metadata in ``messages`` down messages (ages < 10)."""
+    return messages * Message({}, {"age": [0] * len(sim.server.spec)}).meta_bytes
+
+
 def _random_simplex(*shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     e = -torch.log1p(-torch.rand(*shape, generator=g, dtype=torch.float64))
@@ -381,8 +386,8 @@ def test_a_layer_not_sent_is_coached_towards_the_clients_previous_weights():
     full = sim.server.configure(2, list(range(sim.num_clients)))[cid]
     assert set(full.tensors) == set(sim.layers.param_names)
     first = sim.layers.params_of(0)
-    partial = Message({p: v for p, v in full.tensors.items() if p not in first})
-    explicit = Message({**partial.tensors, **{p: own[p] for p in first}})
+    partial = Message({p: v for p, v in full.tensors.items() if p not in first}, full.meta)
+    explicit = Message({**partial.tensors, **{p: own[p] for p in first}}, full.meta)
     from edgepfl.federation.rng import generator
 
     a = sim.client.update(cid, partial, state, sim.train_data[cid], generator(0, "t"))
@@ -420,8 +425,11 @@ def test_bls_with_mu_above_one_and_full_upload_sends_kapc_messages():
     assert [(c, m) for c, _, m in up_k] == [(c, m) for c, _, m in up_b]
     for (_, ta, _), (_, tb, _) in zip(up_k, up_b, strict=True):
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
-    keep = TRAINING_COLUMNS + ["bytes_up", "bytes_down", "layers_up_mean", "layers_down_mean"]
+    keep = TRAINING_COLUMNS + ["bytes_up", "layers_up_mean", "layers_down_mean"]
     assert _columns(mb, keep) == _columns(mk, keep)
+    # the same tensors down, plus the server's ages of its copies (metadata)
+    assert [b["bytes_down"] - k["bytes_down"] for b, k in zip(mb, mk, strict=True)] == [
+        _age_bytes(bls, len(d)) for d in down_b]
     assert torch.equal(kapc.server.R, bls.server.R)
 
 
@@ -437,7 +445,7 @@ def test_bls_server_skips_exactly_the_layers_whose_self_relation_reaches_mu():
     assert set(msgs[0].tensors) == set(layer1)
     assert set(msgs[1].tensors) == set(layer0)
     assert msgs[2].tensors == {}  # r_22 = 0.5 >= mu on both layers: nothing to send
-    assert msgs[2].nbytes == 0
+    assert msgs[2].payload_bytes == 0 and msgs[2].meta == {"age": [0, 0]}
     assert server.round_metrics()["layers_down_mean"] == pytest.approx(2 / 3)
 
 
@@ -604,12 +612,13 @@ def test_bytes_drop_when_mu_drops():
         sim = _sim("algorithm.name=kapc_bls", f"algorithm.mu={mu}", "algorithm.r_init=random",
                    "train.rounds=2")
         rows[mu] = sim.run().metrics
-    first = [rows[mu][0]["bytes_down"] for mu in (1.1, 0.35, 0.2, 0.0)]
+    ages = _age_bytes(sim, sim.num_clients)  # every client every round
+    first = [rows[mu][0]["bytes_down"] - ages for mu in (1.1, 0.35, 0.2, 0.0)]
     assert first == sorted(first, reverse=True) and first[0] > first[1] > first[-1] == 0
-    totals = [sum(r["bytes_down"] for r in rows[mu]) for mu in (1.1, 0.0)]
+    totals = [sum(r["bytes_down"] - ages for r in rows[mu]) for mu in (1.1, 0.0)]
     assert totals[0] > totals[1] == 0
     model_bytes = sum(layer.numel for layer in sim.layers.layers) * 4
-    assert rows[1.1][0]["bytes_down"] == sim.num_clients * model_bytes
+    assert rows[1.1][0]["bytes_down"] - ages == sim.num_clients * model_bytes
 
 
 def test_bls_uploads_fewer_bytes_than_kapc():
@@ -619,7 +628,9 @@ def test_bls_uploads_fewer_bytes_than_kapc():
     # with mu > 1 only the layers past the prefix a client uploaded last are not sent
     assert bls["bytes_down_total"] < kapc["bytes_down_total"]
     every = _sim("algorithm.name=kapc_bls", "algorithm.mu=1.1", "algorithm.prefix_down=false")
-    assert every.run().summary["bytes_down_total"] == kapc["bytes_down_total"]
+    result = every.run()
+    ages = _age_bytes(every, sum(r["clients"] for r in result.metrics))
+    assert result.summary["bytes_down_total"] - ages == kapc["bytes_down_total"]
 
 
 def test_server_rejects_uploads_that_are_not_layer_prefixes():
@@ -776,3 +787,71 @@ def test_server_state_of_another_shape_is_refused_on_load():
     torch.testing.assert_close(server.R, state["R"])
     for p in server.W:
         assert torch.equal(server.W[p], state[f"W.{p}"])
+
+
+def test_a_norm_layer_belongs_to_the_weight_layer_before_it():
+    from edgepfl.models import build_model
+
+    model = build_model("resnet18", (3, 32, 32), 10)
+    own = LayerSpec.from_model(model)
+    merged = own.merge_norms()
+    assert (len(own), len(merged)) == (41, 21)  # the paper's ResNet-18 has 21 layers (Fig. 8)
+    assert merged.param_names == own.param_names and merged.numel == own.numel
+    params = dict(model.named_parameters())
+    # every merged layer is led by a weight matrix (layer_shapes reads d and n from it)
+    assert all(params[layer.params[0]].dim() >= 2 for layer in merged.layers)
+    assert [layer.name for layer in own.layers if not layer.norm] == merged.names
+
+
+@pytest.mark.parametrize(("norm_layers", "count"), [("merged", 4), ("own", 6)])
+def test_kapc_counts_a_conv_and_its_batchnorm_as_one_layer_by_default(norm_layers, count):
+    sim = _sim("algorithm.name=kapc_bls", "model.name=cnn_small_bn",
+               f"algorithm.norm_layers={norm_layers}")
+    assert sim.server.R.shape == (6, count, 6)
+    assert len(sim.client.d_out) == count
+    _, up = _record(sim)
+    sim.run()
+    layers = [set(layer.params) for layer in sim.server.spec.layers]
+    assert len(layers) == count
+    partial = 0
+    for _, tensors, _ in up:
+        sent = set(tensors)
+        # an upload is a prefix of whole layers: a conv never leaves without its BatchNorm
+        # when the two are one layer
+        assert all(layer <= sent or not layer & sent for layer in layers)
+        partial += len(sent) < sum(len(layer) for layer in layers)
+    assert partial > 0  # BLS did leave layers out, so the prefixes were tested
+
+
+def test_a_lost_upload_leaves_the_client_deciding_on_the_servers_copies():
+    # an upload lost on the way (a late or rejected reply) is one the client believes
+    # delivered; the staleness limit and Algorithm 4's full-regularizer branch must follow
+    # what the server holds, which the server tells the client with each regularizer
+    sim = _sim("algorithm.name=kapc_bls", "partition.scheme=iid", "train.rounds=9",
+               "algorithm.refresh_every=3")
+    aggregate = sim.server.aggregate
+    lost = []
+
+    def lossy(rnd, replies):
+        kept = {c: r for c, r in replies.items() if not (c < 3 and rnd % 3 == 0)}
+        lost.extend(set(replies) - set(kept))
+        return aggregate(rnd, kept)
+
+    sim.server.aggregate = lossy
+    worst = 0
+    for _ in range(9):
+        sim.step()
+        worst = max(worst, int(sim.server.age.max()))
+    assert lost, "the test must lose uploads"
+    assert worst <= 2  # refresh_every - 1, counted in uploads the server received
+
+
+def test_bls_client_refuses_server_ages_it_cannot_use():
+    sim = _sim("algorithm.name=kapc_bls")
+    L = len(sim.client.spec)
+    assert torch.equal(sim.client._server_ages(Message({}, {"age": [0, 1] + [2] * (L - 2)})),
+                       torch.tensor([0, 1] + [2] * (L - 2)))
+    for bad in ({}, {"age": [0] * (L + 1)}, {"age": [0, -1] + [0] * (L - 2)}, {"age": "0"},
+                {"age": [0] * L, "omega": 2}):
+        with pytest.raises(MessageError, match="age|omega"):
+            sim.client._server_ages(Message({}, bad))

@@ -61,7 +61,7 @@ from edgepfl.algorithms.kit import sgd_request
 from edgepfl.algorithms.pulls import Pull
 from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.errors import ConfigError
-from edgepfl.federation.messages import Message, MessageError, check_message
+from edgepfl.federation.messages import Message, MessageError, check_message, check_meta, ints
 from edgepfl.federation.rng import derive_seed, generator
 from edgepfl.models.layers import LayerSpec
 
@@ -112,6 +112,11 @@ class KAPCHyperparameters(Hyperparameters):
         "model (as FedAvg and the baselines do); per_client = each client from its own "
         "seeded random draw, known to the server too (Algorithm 1: 'initialize and "
         "distribute w_i^1 for client i')"))
+    norm_layers: Literal["merged", "own"] = Field("merged", description=(
+        "what a layer of R, of BLS's prefix and of the bound (29) is: merged = a weight layer "
+        "with the normalisation layer after it (the paper's count: ResNet-18 has 21 layers, "
+        "Fig. 8), own = every module with parameters, a BatchNorm its own layer (41 on "
+        "ResNet-18); the same for models without normalisation layers"))
     r_grad_scale: Literal["precondition", "sum", "spread"] = Field("precondition", description=(
         "how the R step is sized: precondition = eta_r divided per layer by the "
         "participants' spread (mean squared distance to their mean), capped for stability: "
@@ -403,6 +408,11 @@ def refresh_stale(omega: int, age: torch.Tensor, refresh_every: int) -> int:
     return max([omega, *stale])
 
 
+def kapc_layers(spec: LayerSpec, hp: KAPCHyperparameters) -> LayerSpec:
+    """The layers KAPC relates, selects and bounds (``norm_layers``)."""
+    return spec.merge_norms() if hp.norm_layers == "merged" else spec
+
+
 def layer_shapes(spec: LayerSpec, model: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
     """(d_l, n_l) per layer for (29): output dimension and columns of the layer's weight.
 
@@ -430,7 +440,7 @@ class KAPCServer(Server):
 
     def __init__(self, ctx: ServerContext, hp: KAPCHyperparameters):
         super().__init__(ctx, hp)
-        spec = ctx.layers
+        spec = kapc_layers(ctx.layers, hp)
         self.spec = spec
         self.device = server_device(ctx.train.device)
         self.layer_params = [list(layer.params) for layer in spec.layers]
@@ -501,7 +511,12 @@ class KAPCServer(Server):
         self._metrics = {"layers_down_mean": float(sum(sent)) / max(len(sent), 1),
                          # how far R has moved from sharing (1/N) towards self (1), Fig. 7
                          "relation_self_mean": float(torch.diagonal(self.R, dim1=0, dim2=2).mean())}
-        return {cid: Message(messages.get(cid, {})) for cid in clients}
+        # BLS: what the server holds of the client, as the age of each layer's copy, so that
+        # the client's staleness limit and Algorithm 4's full-regularizer branch follow the
+        # uploads that arrived, not those the client sent (a late or rejected reply is lost)
+        return {cid: Message(messages.get(cid, {}),
+                             {"age": [int(a) for a in self.age[cid]]} if self.bls else {})
+                for cid in clients}
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         counts = []
@@ -617,7 +632,7 @@ class KAPCClient(PersonalModelClient):
 
     def __init__(self, ctx: ClientContext, hp: KAPCHyperparameters):
         super().__init__(ctx, hp)
-        spec = ctx.layers
+        spec = kapc_layers(ctx.layers, hp)
         self.spec = spec
         self.names = self.trainer.param_names
         position = {p: k for k, p in enumerate(self.names)}
@@ -630,7 +645,9 @@ class KAPCClient(PersonalModelClient):
             L = len(self.spec)
             state.update({
                 "bls.q": torch.tensor(0, dtype=torch.int64),         # times selected (q_i)
-                "bls.omega": torch.tensor(L, dtype=torch.int64),     # Omega of the last upload
+                # Omega of the last upload sent and the ages the client expects the server's
+                # copies to have; what it decides on is the server's word (_server_ages)
+                "bls.omega": torch.tensor(L, dtype=torch.int64),
                 "bls.B": torch.zeros(L, dtype=torch.float64),        # B_i^l of Eq. 30 (max kept)
                 "bls.tau": torch.zeros(L, dtype=torch.float64),      # tau_i^l of Eq. 31 (max kept)
                 # selections since layer l was last uploaded: the age of the server's copy
@@ -677,16 +694,34 @@ class KAPCClient(PersonalModelClient):
         count = len(self.spec)
         if self.bls:  # Algorithm 4 measures the trained layers against their targets
             targets = self._targets(msg, self.personal_model(state, None))
-            count, bls_state, evals = self._select_layers(state, trained, targets)
+            count, bls_state, evals = self._select_layers(state, trained, targets,
+                                                          self._server_ages(msg))
             new_state.update(bls_state)
             stats["omega_evals"] = float(evals)
         stats["layers_up"] = float(count)
         reply = Message({p: trained[p] for p in self.spec.prefix(count)})
         return UpdateResult(reply, new_state, stats)
 
-    def _select_layers(self, state: State, trained: State,
-                       targets: list[torch.Tensor]) -> tuple[int, State, int]:
-        """Algorithm 4: Omega_i (raised by the staleness limit) and the updated estimates."""
+    def _server_ages(self, msg: Message) -> torch.Tensor:
+        """The server's age of each of its copies of this client's layers (its message's
+        ``age``): uploads of the client it received since it last received the layer."""
+        L = len(self.spec)
+        check_meta("the server", msg.meta, {"age": ints(0)})
+        age = msg.meta["age"]
+        if len(age) != L:  # type: ignore[arg-type]
+            raise MessageError(f"the server sent age for {len(age)} layers; "  # type: ignore[arg-type]
+                               f"the model has {L}")
+        return torch.tensor(age, dtype=torch.int64)
+
+    def _select_layers(self, state: State, trained: State, targets: list[torch.Tensor],
+                       age: torch.Tensor) -> tuple[int, State, int]:
+        """Algorithm 4: Omega_i (raised by the staleness limit) and the updated estimates.
+
+        ``age`` is the server's (``_server_ages``). The Omega of the last upload that
+        arrived is its count of fresh leading layers: the server zeroes a received prefix
+        and ages the rest, and before the first upload every copy is fresh (the initial
+        model), which reads as a full, L-layer upload as Algorithm 4's first selection does.
+        """
         L = len(self.spec)
         target = dict(zip(self.names, targets, strict=True))
         B_cur = torch.zeros(L, dtype=torch.float64)
@@ -695,7 +730,8 @@ class KAPCClient(PersonalModelClient):
             B_cur[l_idx] = math.sqrt(sum(float(trained[p].double().pow(2).sum()) for p in layer.params))
             tau_cur[l_idx] = math.sqrt(sum(float((trained[p] - target[p]).double().pow(2).sum())
                                            for p in layer.params))      # Eq. 30, 31
-        q, prev = int(state["bls.q"]), int(state["bls.omega"])
+        stale = torch.nonzero(age > 0)
+        q, prev = int(state["bls.q"]), int(stale[0, 0]) if len(stale) else L
         B, tau = state["bls.B"].clone(), state["bls.tau"].clone()
         evals = 0
         if not self.hp.select_layers:
@@ -715,7 +751,6 @@ class KAPCClient(PersonalModelClient):
                 tau_hat=tau_cur.tolist(), d_out=self.d_out, n_cols=self.n_cols,
                 num_classes=self.ctx.num_classes)
             omega, evals = search_omega(prev, L, holds)
-        age = state["bls.age"]
         omega = refresh_stale(omega, age, self.hp.refresh_every)
         layers = torch.arange(1, L + 1)
         bls_state = {"bls.q": torch.tensor(q + 1, dtype=torch.int64),

@@ -154,7 +154,7 @@ def check_meta(who: str, meta: Mapping[str, Any], forms: Mapping[str, MetaForm])
         raise MessageError(f"{who} sent unknown metadata {unknown[:4]}; expected {sorted(forms)}")
     for key, form in forms.items():
         if key not in meta:
-            raise MessageError(f"{who}'s reply lacks metadata {key!r}")
+            raise MessageError(f"{who} sent no metadata {key!r}")
         if not form.ok(meta[key]):
             # a peer's value may be long: the failure log gets its start
             raise MessageError(f"{who} sent {key} = {repr(meta[key])[:80]}; expected {form.what}")

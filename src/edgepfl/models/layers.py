@@ -11,12 +11,16 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+# modules that rescale the layer before them rather than transform its input on their own
+NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
 
 @dataclass(frozen=True)
 class Layer:
     name: str
     params: tuple[str, ...]
     numel: int
+    norm: bool = False  # a normalisation module (BatchNorm, GroupNorm, LayerNorm)
 
 
 @dataclass(frozen=True)
@@ -41,9 +45,28 @@ class LayerSpec:
                 continue
             full = tuple(f"{mod_name}.{n}" if mod_name else n for n in own)
             numel = sum(p.numel() for p in module.parameters(recurse=False))
-            layers.append(Layer(mod_name or "root", full, numel))
+            layers.append(Layer(mod_name or "root", full, numel, isinstance(module, NORMS)))
         buffers = tuple(n for n, _ in model.named_buffers())
         return cls(tuple(layers), buffers)
+
+    def merge_norms(self) -> LayerSpec:
+        """The same parameters with every normalisation layer joined to the layer before it.
+
+        A paper that counts "layers" as weight layers, phi(W h), counts a convolution and
+        the BatchNorm after it as one (KAPC's ResNet-18 has 21 layers, not the 41
+        parameterised modules). The merged layer keeps the weight layer's name, and its
+        first parameter is still that layer's weight. A norm with no layer before it
+        stays a layer of its own.
+        """
+        merged: list[Layer] = []
+        for layer in self.layers:
+            if layer.norm and merged:
+                head = merged[-1]
+                merged[-1] = Layer(head.name, head.params + layer.params, head.numel + layer.numel,
+                                   head.norm)
+            else:
+                merged.append(layer)
+        return LayerSpec(tuple(merged), self.buffers)
 
     def __len__(self) -> int:
         return len(self.layers)
