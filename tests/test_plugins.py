@@ -138,3 +138,33 @@ def test_flower_apps_load_the_plugins_of_the_run_config():
                         "dataset.name": "blobs", "partition.clients": 3, "train.rounds": 1,
                         "output.plots": False})
     assert result.summary["algorithm"] == "fedavgm" and result.summary["model"] == "tiny_mlp"
+
+
+def test_a_checkpoint_cannot_name_code_for_a_resume_to_run(tmp_path):
+    from edgepfl.engine.simulation import CHECKPOINT, resume_run, start_run
+    from edgepfl.io import read_tensors, write_tensors
+
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
+    run = tmp_path / "run"
+    start_run(fast_config("train.rounds=1"), run, progress=False)
+    tensors, meta = read_tensors(run / CHECKPOINT)
+    meta["config"]["plugins"] = [str(evil)]  # config.json still names none
+    write_tensors(run / CHECKPOINT, tensors, meta)
+    result = resume_run(run, overrides=["train.rounds=2"], progress=False)
+    assert not marker.exists(), "a checkpoint's metadata ran code"
+    assert [r["round"] for r in result.metrics] == [1, 2]
+
+
+def test_a_plugin_named_in_a_configuration_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    # the example itself, named relative to the working directory (one file may register
+    # fedavgm per process)
+    (tmp_path / "run.toml").write_text(f'plugins = ["{EXAMPLE.name}"]\n')
+    monkeypatch.chdir(EXAMPLE.parent)
+    res = invoke("run", str(tmp_path / "run.toml"), "--set", "algorithm.name=fedavgm",
+                 "--set", "model.name=tiny_mlp", "--set", "dataset.name=blobs", *SMALL,
+                 "--out", str(tmp_path / "run"))
+    assert res.exit_code == 0, res.output
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["plugins"]
+    assert recorded == [str(EXAMPLE.resolve())]

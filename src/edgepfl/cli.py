@@ -49,12 +49,11 @@ def _with_plugins(cfg, plugins: tuple[str, ...]):
     from edgepfl.config import build_config
     from edgepfl.plugins import load_plugins, recorded
 
-    if not plugins:
-        load_plugins(cfg.plugins)
-        return cfg
+    # a file named in a configuration or by --set is recorded by its absolute path too,
+    # so that a resume from another folder finds that file and no other of its name
     merged = recorded([*cfg.plugins, *plugins])
     load_plugins(merged)
-    return build_config({**cfg.model_dump(), "plugins": merged})
+    return cfg if merged == cfg.plugins else build_config({**cfg.model_dump(), "plugins": merged})
 
 
 def _threads(value: int | None) -> None:

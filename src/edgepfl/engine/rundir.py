@@ -303,15 +303,26 @@ def execution_changes(stored: dict, new: dict) -> list[str]:
 def with_before(cfg: dict) -> dict:
     """A stored configuration with ``Hyperparameters.before`` filled in for the algorithm
     settings it lacks: what a run written before those settings existed did, so that it
-    resumes doing that (``cfg["algorithm"]`` then holds at least those keys)."""
-    plugins = cfg.get("plugins")
-    load_plugins(plugins if isinstance(plugins, list) else [])  # its algorithm may be one
+    resumes doing that (``cfg["algorithm"]`` then holds at least those keys).
+
+    It loads no plug-in: a stored configuration is data (a checkpoint's metadata, a
+    config.json read back), and data must not name code to run. An algorithm of a
+    plug-in is known here only if the command loaded that plug-in itself
+    (``load_run_plugins`` when resuming its own run)."""
     stored = cfg.get("algorithm")
     stored = stored if isinstance(stored, dict) else {}
     algo = ALGORITHMS.get(stored.get("name"))  # type: ignore[arg-type]
     before = algo.hyperparameters.before if algo is not None else {}
     missing = {k: v for k, v in before.items() if k not in stored}
     return {**cfg, "algorithm": {**stored, **missing}} if missing else cfg
+
+
+def load_run_plugins(stored: dict) -> None:
+    """Load the plug-ins a run's own config.json names, to resume that run (documented:
+    resuming a run runs its code, as starting it did). Never called on a checkpoint's
+    metadata."""
+    plugins = stored.get("plugins")
+    load_plugins(plugins if isinstance(plugins, list) else [])
 
 
 def comparable(cfg: dict) -> dict:

@@ -41,6 +41,7 @@ from edgepfl.engine.rundir import (
     default_run_dir,
     execution_changes,
     load_checkpoint,
+    load_run_plugins,
     run_rounds,
     save_checkpoint,
     with_before,
@@ -389,6 +390,7 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
     stored = read_json(run_dir / "config.json")
     if not isinstance(stored, dict) or not isinstance(stored.get("train"), dict):
         raise ConfigError(f"{run_dir / 'config.json'} is not an edgepfl run configuration")
+    load_run_plugins(stored)  # its algorithm, model or data set may be one
     stored = with_before(stored)  # a run from before a setting existed goes on as it ran
     if cfg is None and overrides:
         cfg = build_config(stored, overrides)
