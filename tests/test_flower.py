@@ -309,6 +309,40 @@ def test_a_malformed_reply_is_rejected_alone_and_never_aggregated():
     assert all(math.isfinite(r["acc_mean"]) for r in corrupt.metrics)
 
 
+def _bad_train_figures(reply):
+    reply.content[STATS]["train_loss"] = [1.0, 2.0]  # a MetricRecord may hold lists
+
+
+def _empty_array(reply):
+    arrays = reply.content[TENSORS]
+    name = next(iter(arrays))
+    arrays[name] = Array(dtype="float32", shape=(3,), stype="numpy.ndarray", data=b"")
+
+
+@pytest.mark.parametrize("spoil", [_bad_train_figures, _empty_array])
+def test_a_reply_the_server_cannot_read_fails_its_client_not_the_run(spoil):
+    def train(message, context):
+        reply = client_app(message, context)
+        if context.node_config["partition-id"] == 2:
+            spoil(reply)
+        return reply
+
+    result = run_local(run_config(algorithm__name="fedavg"), app=app_with(train=train))
+    assert result.summary["clients_failed_per_client"] == [0, 0, 2]
+
+
+def test_evaluation_figures_that_are_not_numbers_leave_the_client_out():
+    def evaluate(message, context):
+        reply = client_app(message, context)
+        if context.node_config["partition-id"] == 0:
+            reply.content[STATS]["loss"] = [0.5]
+        return reply
+
+    result = run_local(run_config(algorithm__name="fedavg"), app=app_with(evaluate=evaluate))
+    final = result.summary["acc_clients_final"]
+    assert math.isnan(final[0]) and all(0 <= a <= 1 for a in final[1:])
+
+
 def test_train_message_without_a_round_is_refused():
     rc = run_config(algorithm__name="fedavg")
     ctx = Context(run_id=1, node_id=9, node_config={"partition-id": 0}, state=RecordDict(),

@@ -144,8 +144,9 @@ def from_content(content: RecordDict, optional: bool = False) -> Message | None:
     for name, array in tensors.items():
         try:
             out[name] = torch.from_numpy(np.array(array.numpy(), copy=True))
-        except (TypeError, ValueError) as exc:
-            raise MessageError(f"tensor {name!r} of a Flower message cannot be read: {exc}") from None
+        except Exception as exc:  # a peer's bytes: numpy may raise anything (EOFError, ...)
+            raise MessageError(f"tensor {name!r} of a Flower message cannot be read: "
+                               f"{type(exc).__name__}: {exc}") from None
     values = {k: (list(v) if isinstance(v, list) else v) for k, v in meta.items()}
     if any(isinstance(v, bytes) or (isinstance(v, list) and any(isinstance(i, bytes) for i in v))
            for v in values.values()):
@@ -404,6 +405,10 @@ def _figures(reply: FlowerMessage, cid: int, *keys: str) -> MetricRecord:
     if not isinstance(record, MetricRecord) or any(k not in record for k in keys):
         raise MessageError(f"client {cid}'s {reply.metadata.message_type} reply lacks the "
                            f"MetricRecord {STATS!r} with {list(keys)}")
+    for key, value in record.items():  # a MetricRecord may hold lists; a figure is one number
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise MessageError(f"client {cid} reported {key} = {repr(value)[:80]}; "
+                               "expected a number")
     return record
 
 
