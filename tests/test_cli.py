@@ -347,3 +347,13 @@ def test_sweep_checks_every_combination_before_running(tmp_path, grid, words):
         assert word in res.output, (word, res.output)
     assert "Traceback" not in res.output
     assert not (tmp_path / "s").exists()
+
+
+def test_resume_with_a_config_file_names_a_run_directory_that_is_not_one(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"train": 5}')
+    (tmp_path / "same.toml").write_text('[algorithm]\nname = "fedavg"\n')
+    res = invoke("run", "--resume", str(run), str(tmp_path / "same.toml"))
+    assert res.exit_code == 2, res.output
+    assert "is not an edgepfl run configuration" in res.output

@@ -226,6 +226,21 @@ def test_a_checkpoint_with_malformed_metadata_is_reported(tmp_path, meta):
         resume_run(tmp_path / "run", progress=False)
 
 
+@pytest.mark.parametrize("entry", [1, {"round": 1}, {"round": 1, "step": "1", "client": 99,
+                                                    "reason": "x"}])
+def test_a_checkpoint_with_a_malformed_failure_log_changes_nothing(tmp_path, entry):
+    from edgepfl.io import read_tensors, write_tensors
+    run = tmp_path / "run"
+    start_run(fast_config("train.rounds=1"), run, progress=False)
+    tensors, meta = read_tensors(run / CHECKPOINT)
+    meta["failure_log"] = [entry]
+    write_tensors(run / CHECKPOINT, tensors, meta)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(EdgepflError, match="not a valid edgepfl checkpoint.*failure log"):
+        resume_run(run, overrides=["train.rounds=2"], progress=False)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
 def test_run_files_follow_the_umask(tmp_path):
     import os
     start_run(fast_config("train.rounds=1"), tmp_path / "run", progress=False)

@@ -256,6 +256,18 @@ def test_empty_class_folder_is_named(tmp_path):
         load_dataset("imagefolder", path=tmp_path)
 
 
+def test_files_that_are_not_read_are_said(tmp_path, caplog):
+    for cls in ("a", "b"):
+        for k in range(2):
+            write_png(tmp_path / cls / f"{k}.png", np.full((4, 4), k, dtype=np.uint8))
+    (tmp_path / "a" / "x.bmp").write_bytes(b"BM")
+    (tmp_path / "a" / ".hidden").write_text("")
+    with caplog.at_level("WARNING", logger="edgepfl"):
+        data = load_dataset("imagefolder", path=tmp_path, test_fraction=0.5)
+    assert len(data.y_train) + len(data.y_test) == 4
+    assert "1 file(s) that are not PNG or JPEG" in caplog.text and "a/x.bmp" in caplog.text
+
+
 def test_mixed_channel_counts_are_named(tmp_path):
     write_png(tmp_path / "a" / "0.png", np.zeros((4, 4), dtype=np.uint8))
     write_png(tmp_path / "b" / "0.png", np.zeros((4, 4, 3), dtype=np.uint8))
@@ -277,6 +289,9 @@ def test_a_file_that_does_not_decode_is_named(tmp_path):
     (np.array([True, False] * 3), "labels of type bool"),
     (np.array([0, 1, -1, 0, 1, 0]), "label -1 is negative"),
     (np.zeros((6, 2), dtype=np.int64), r"'y' has shape \[6, 2\].*one value per sample"),
+    # ids, not indices: 1,000,001 classes (a huge classifier) for two labels
+    (np.array([0, 1_000_000] * 3), r"up to 1000000 but only 2 distinct.*np.unique"),
+    (np.array([2**40] * 6), r"up to 1099511627776 but only 1 distinct"),
 ])
 def test_labels_that_are_not_class_indices_are_refused(tmp_path, y, needle):
     np.savez(tmp_path / "d.npz", x=id_images(6), y=y)
@@ -292,6 +307,8 @@ def test_labels_that_are_not_class_indices_are_refused(tmp_path, y, needle):
     ({"x": np.zeros((4, 2, 2, 2, 2)), "y": np.zeros(4, int)}, "feature vectors"),
     ({"x": np.full((4, 2), np.nan), "y": np.zeros(4, int)}, "NaN or infinity"),
     ({"x": id_images(4), "y": np.zeros(4, int), "x_test": id_images(2)}, "x_test but no y_test"),
+    ({"x": id_images(4), "y": np.zeros(4, int), "classes": np.array(["a", "a", "b"])},
+     r"class names \['a'\] appear more than once"),
     ({"x": id_images(4), "y": np.zeros(4, int), "x_test": id_images(2, size=6),
       "y_test": np.zeros(2, int)}, "both splits need one shape"),
 ])
@@ -377,3 +394,9 @@ def test_hf_feature_vectors_without_a_test_split(tmp_path):
     assert data.input_shape == (7, 1, 1)
     assert (len(data.y_train), len(data.y_test)) == (24, 6)  # a fifth of each class
     assert data.classes == ("0", "1", "2")
+
+
+def test_labels_with_a_few_classes_missing_are_still_classes(tmp_path):
+    # 1-based labels, or a class absent from a small set, keep K = max + 1
+    np.savez(tmp_path / "d.npz", x=id_images(10), y=np.array([1, 2, 3, 5, 1, 2, 3, 5, 1, 2]))
+    assert load_dataset("npz", path=tmp_path / "d.npz").num_classes == 6

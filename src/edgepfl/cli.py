@@ -157,7 +157,8 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
             extra = list(overrides)
             if not _names_rounds(load_config_file(config), overrides):
                 stored = read_json(resume / "config.json")
-                rounds = stored.get("train", {}).get("rounds") if isinstance(stored, dict) else None
+                train = stored.get("train") if isinstance(stored, dict) else None
+                rounds = train.get("rounds") if isinstance(train, dict) else None
                 if isinstance(rounds, int):
                     extra.insert(0, f"train.rounds={rounds}")
             cfg = config_from_sources(config, extra)

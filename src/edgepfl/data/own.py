@@ -31,6 +31,7 @@ Choices, and why:
 from __future__ import annotations
 
 import io
+import logging
 import os
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,8 @@ import numpy as np
 
 from edgepfl.data.datasets import _Raw
 from edgepfl.errors import ConfigError, DataError
+
+log = logging.getLogger("edgepfl")
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 NPZ_ARRAYS = ("x", "y", "x_test", "y_test", "client", "client_test", "classes")
@@ -167,6 +170,11 @@ def _label_indices(train: _Split, test: _Split | None, names: tuple[str, ...] | 
             raise DataError(f"{where}: labels of type {y.dtype} (e.g. {y.flat[0]!r}) are not "
                             f"integers; labels must be integer class indices 0..K-1 or class "
                             f"names (strings), e.g. y.astype(np.int64)")
+    if names is not None:
+        repeated = sorted({n for n in names if list(names).count(n) > 1})
+        if repeated:
+            raise DataError(f"{train.where}: class names {repeated} appear more than once in "
+                            f"the classes {list(names)}; each class needs a name of its own")
     kinds = {"text" if y.dtype.kind in "US" else "int" for y, _ in parts if y.size}
     if len(kinds) > 1:
         raise DataError(f"{train.where} and {parts[1][1]}: labels are integers in one and "
@@ -191,6 +199,16 @@ def _label_indices(train: _Split, test: _Split | None, names: tuple[str, ...] | 
                                 f"indices 0..K-1")
         top = max((int(y.max()) for y in out if y.size), default=-1)
         if names is None:
+            present = np.unique(np.concatenate(out)).size if top >= 0 else 0
+            absent = top + 1 - present
+            if absent > max(present, 100):
+                # ids such as 1000, 2000 or hashes: K = top + 1 classes would build a
+                # classifier of that width (and run out of memory for a large id)
+                raise DataError(f"{train.where}: labels go up to {top} but only {present} "
+                                f"distinct values occur, so {absent} of the {top + 1} classes "
+                                "0..K-1 would have no sample; map them to 0..K-1 (labels, y = "
+                                "np.unique(y, return_inverse=True)) or give them as strings "
+                                "(class names)")
             names = tuple(str(c) for c in range(top + 1))
         elif top >= len(names):
             bad = next(where for y, (_, where) in zip(out, parts, strict=True)
@@ -479,6 +497,7 @@ def _scan(root: Path, resize: int | None) -> _Split:
                         f"folders ({client.name}/ holds folders); expected {layout}")
     files: list[Path] = []
     labels: list[str] = []
+    skipped: list[Path] = []
     clients: list[str] | None = None if kinds[firsts[0]] == "class" else []
     for first in firsts:
         if clients is None:
@@ -493,10 +512,16 @@ def _scan(root: Path, resize: int | None) -> _Split:
             if not images:
                 raise DataError(f"class folder {folder} holds no PNG or JPEG files "
                                 f"({', '.join(IMAGE_SUFFIXES)}); add its images or remove it")
+            skipped += sorted(p for p in folder.iterdir() if p.is_file()
+                              and not p.name.startswith(".") and p not in images)
             files += images
             labels += [label] * len(images)
             if clients is not None:
                 clients += [first.name] * len(images)
+    if skipped:  # a .bmp or .webp sample left out of training is worth a word
+        log.warning("%s: %d file(s) that are not PNG or JPEG (%s) are not read, e.g. %s",
+                    root, len(skipped), ", ".join(IMAGE_SUFFIXES),
+                    ", ".join(str(p.relative_to(root)) for p in skipped[:3]))
     x = [_decode(f, str(f), resize) for f in files]
     return _Split(x, np.array(labels), None if clients is None else np.array(clients), str(root),
                   [str(f) for f in files])

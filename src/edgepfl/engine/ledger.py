@@ -167,17 +167,27 @@ class Ledger:
                     ledger.bytes_down.shape != (n,) or ledger.edge_bytes_up.shape != (edges,) or \
                     ledger.edge_bytes_down.shape != (edges,) or \
                     ledger.failures.shape != (n,) or len(ledger.edge_times) != edges or \
+                    not all(_failure_entry(e, n) for e in ledger.failure_log) or \
                     any(len(v) != n for v in ledger.val_best.values()) or \
                     any(len(v) != n for v in ledger.privacy.values()):
                 raise ValueError(f"round {rnd}, {len(metrics)} metric rows, byte counts for "
                                  f"{ledger.bytes_up.shape} / {ledger.bytes_down.shape} clients "
                                  f"and {ledger.edge_bytes_up.shape} / "
                                  f"{ledger.edge_bytes_down.shape} edges, failure counts for "
-                                 f"{ledger.failures.shape} clients")
+                                 f"{ledger.failures.shape} clients, or a failure log entry "
+                                 "not of the form a run writes")
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise EdgepflError(f"{path} is not a valid edgepfl checkpoint: its metadata is "
                                f"malformed ({type(exc).__name__}: {exc})") from None
         return ledger
+
+
+def _failure_entry(entry: Any, num_clients: int) -> bool:
+    """One ``failure_log`` entry as ``record_failures`` writes it."""
+    return (isinstance(entry, dict) and set(entry) == {"round", "step", "client", "reason"}
+            and isinstance(entry["round"], int) and isinstance(entry["client"], int)
+            and 0 <= entry["client"] < num_clients
+            and isinstance(entry["step"], str) and isinstance(entry["reason"], str))
 
 
 # -- figures ------------------------------------------------------------------------------
