@@ -12,7 +12,7 @@ import torch
 from edgepfl.config import build_config
 from edgepfl.data import dataset_of, load_dataset, partition_of
 from edgepfl.engine.simulation import Simulation
-from edgepfl.errors import ConfigError, DataError
+from edgepfl.errors import ConfigError, DataError, EdgepflError
 
 TINY = ["train.rounds=1", "train.local_epochs=1", "train.batch_size=8", "output.plots=false"]
 
@@ -400,3 +400,21 @@ def test_labels_with_a_few_classes_missing_are_still_classes(tmp_path):
     # 1-based labels, or a class absent from a small set, keep K = max + 1
     np.savez(tmp_path / "d.npz", x=id_images(10), y=np.array([1, 2, 3, 5, 1, 2, 3, 5, 1, 2]))
     assert load_dataset("npz", path=tmp_path / "d.npz").num_classes == 6
+
+
+def test_a_resume_on_other_data_is_refused_and_changes_nothing(tmp_path):
+    from edgepfl.engine.simulation import resume_run, start_run
+
+    data = tmp_path / "d.npz"
+    rng = np.random.default_rng(0)
+    np.savez(data, x=id_images(60), y=rng.integers(0, 3, 60))
+    run = tmp_path / "run"
+    start_run(run_config(data, "train.rounds=1", "model.name=mlp", "partition.clients=3",
+                         "partition.scheme=iid"), run, progress=False)
+    np.savez(data, x=id_images(80), y=rng.integers(0, 3, 80))  # replaced in place
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(EdgepflError, match=r"(?s)was run on other data.*client 0's train_size: run has 16, now 22"):
+        resume_run(run, overrides=["train.rounds=2"], progress=False)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    np.savez(data, x=id_images(60), y=np.random.default_rng(0).integers(0, 3, 60))  # the original
+    assert [r["round"] for r in resume_run(run, overrides=["train.rounds=2"], progress=False).metrics] == [1, 2]

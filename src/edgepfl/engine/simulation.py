@@ -344,8 +344,37 @@ class Simulation:
         self.rounds.load_parts(tensors, (meta or {}).get("state", {}))
 
     def load_checkpoint(self, path: Path) -> None:
+        self._check_same_data(Path(path).parent / "partition.json")
         tensors = load_checkpoint(path, self.rounds)
         self.clients.load_state_dict(tensors, "client/")
+
+    def _check_same_data(self, stored_path: Path) -> None:
+        """A resumed run must read the data it started on: the clients' sample and class
+        counts of its partition.json against this run's (a data file replaced in place,
+        or a relative dataset.path resolved in another folder, changes them)."""
+        if not stored_path.exists():
+            return
+        stored = read_json(stored_path)
+        now = self.partition.to_json(self.dataset.y_train, self.dataset.y_test)
+        rows = stored.get("clients") if isinstance(stored, dict) else None
+        if not isinstance(rows, list):
+            return  # not a partition.json edgepfl wrote; the checkpoint's checks still apply
+        diffs = []
+        if stored.get("num_classes") != now["num_classes"] or len(rows) != len(now["clients"]):
+            diffs.append(f"{stored.get('num_classes')} classes and {len(rows)} clients, now "
+                         f"{now['num_classes']} and {len(now['clients'])}")
+        else:
+            for cid, (was, is_) in enumerate(zip(rows, now["clients"], strict=True)):
+                for key in ("train_size", "test_size", "train_class_counts", "test_class_counts"):
+                    if isinstance(was, dict) and key in was and was[key] != is_.get(key):
+                        diffs.append(f"client {cid}'s {key}: run has {was[key]}, now {is_.get(key)}")
+        if diffs:
+            raise EdgepflError(
+                f"{stored_path.parent} was run on other data than {self.cfg.dataset.name} "
+                f"(dataset.path = {self.cfg.dataset.path!r}) gives now:\n  "
+                + "\n  ".join(diffs[:3]) + ("\n  ..." if len(diffs) > 3 else "")
+                + "\nresume it on the data it started on (a relative dataset.path is read "
+                "from the working directory), or start a new run")
 
 
 def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | None = None,
