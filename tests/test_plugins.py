@@ -168,3 +168,37 @@ def test_a_plugin_named_in_a_configuration_is_recorded_by_its_absolute_path(tmp_
     assert res.exit_code == 0, res.output
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["plugins"]
     assert recorded == [str(EXAMPLE.resolve())]
+
+
+def test_plugin_models_and_loaders_are_held_to_their_contract(tmp_path):
+    bad = tmp_path / "contracts.py"
+    bad.write_text(textwrap.dedent("""
+        from torch import nn
+        from edgepfl.plugins import register_dataset, register_model
+
+        register_model("contract_fn", lambda c, k, s: (lambda x: x), "not a module")
+        register_model("contract_width", lambda c, k, s: nn.Sequential(nn.Flatten(), nn.Linear(c * s * s, k - 1)),
+                       "one logit short")
+        register_model("contract_args", lambda c, k: None, "two arguments")
+        register_dataset("contract_none", lambda source: None, "returns nothing")
+
+        def load_missing(source):
+            raise KeyError("column 'lbl'")
+
+        register_dataset("contract_raises", load_missing, "raises")
+    """))
+    synthetic = ["--set", "dataset.name=synthetic"]
+    for sets, needle in (
+            (["--set", "model.name=contract_fn", *synthetic], "returned function, not a torch.nn.Module"),
+            (["--set", "model.name=contract_width", *synthetic],
+             r"returned (2, 9) for a batch of 2 inputs; a model returns logits of shape (batch, 10)"),
+            (["--set", "model.name=contract_args", *synthetic], "factory(channels=1, num_classes=10"),
+            (["--set", "dataset.name=contract_none", "--set", "model.name=mlp"],
+             "returned NoneType; a loader returns a mapping"),
+            (["--set", "dataset.name=contract_raises", "--set", "model.name=mlp"],
+             "its loader failed: KeyError")):
+        out = tmp_path / sets[1].split("=")[1]
+        res = invoke("run", "--plugin", str(bad), *sets, *SMALL, "--out", str(out))
+        assert res.exit_code == 2, (sets, res.output)
+        assert needle in res.output and "contracts.py" in res.output, res.output
+        assert not out.exists()

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from edgepfl.config import DatasetConfig
-from edgepfl.errors import ConfigError, DataError
+from edgepfl.errors import ConfigError, DataError, EdgepflError
 
 DATA_ENV = "EDGEPFL_DATA"
 NO_DOWNLOAD_ENV = "EDGEPFL_NO_DOWNLOAD"
@@ -203,10 +203,15 @@ def load_dataset(
         from edgepfl.data import own
         from edgepfl.plugins import DataSource, origin
 
-        arrays = PLUGIN_LOADERS[key](DataSource(resolve_data_root(root),
-                                                None if path is None else str(path), int(seed)))
-        raw = own.from_arrays(key, arrays, f"data set {key!r} of plug-in "
-                              f"{origin('dataset', key)!r}", test_fraction)
+        where = f"data set {key!r} of plug-in {origin('dataset', key)!r}"
+        try:
+            arrays = PLUGIN_LOADERS[key](DataSource(resolve_data_root(root),
+                                                    None if path is None else str(path), int(seed)))
+        except EdgepflError:
+            raise
+        except Exception as exc:  # the plug-in's code: say whose it is (the cause is chained)
+            raise DataError(f"{where}: its loader failed: {type(exc).__name__}: {exc}") from exc
+        raw = own.from_arrays(key, arrays, where, test_fraction)
         return _finish(raw, share, int(seed))
     for setting, value in (("path", path), ("resize", resize)):
         if value is not None:

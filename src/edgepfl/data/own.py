@@ -375,6 +375,9 @@ def from_arrays(name: str, arrays: Mapping[str, np.ndarray], where: str,
     """A data set from named arrays, as an npz file holds them (``NPZ_ARRAYS``: x and y,
     optionally x_test, y_test, client, client_test, classes): what a plug-in's data set
     loader returns. ``where`` names the source in errors."""
+    if not isinstance(arrays, Mapping):
+        raise DataError(f"{where} returned {type(arrays).__name__}; a loader returns a mapping "
+                        f"of array names to arrays ({', '.join(NPZ_ARRAYS)}; x and y required)")
     unknown = [n for n in arrays if n not in NPZ_ARRAYS]
     if unknown:
         raise DataError(f"{where} gave array(s) {', '.join(map(repr, unknown))}; the arrays "

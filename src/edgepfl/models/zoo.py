@@ -164,6 +164,11 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
                               f"models for images that are not square: {', '.join(valid)} "
                               f"(or set dataset.resize)")
     factory = MODELS[name][0]
+    from edgepfl.plugins import origin
+
+    plugin = origin("model", name)
+    if plugin is not None:
+        return _plugin_model(name, plugin, factory, input_shape, num_classes, size)
     try:
         model = factory(channels, num_classes, size)
         with torch.no_grad():
@@ -177,3 +182,31 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
             f"model.name = {name!r} does not fit inputs of shape {input_shape}: {exc}{hint}"
         ) from exc
     return model
+
+
+def _plugin_model(name: str, plugin: str, factory, input_shape: tuple[int, int, int],
+                  num_classes: int, size: int | tuple[int, int]) -> nn.Module:
+    """A plug-in's model, held to the contract before a run starts on it: an ``nn.Module``
+    that maps a batch of ``input_shape`` inputs to ``num_classes`` logits."""
+    where = f"model {name!r} of plug-in {plugin!r}"
+    try:
+        model = factory(input_shape[0], num_classes, size)
+    except Exception as exc:
+        raise ConfigError(f"{where}: factory(channels={input_shape[0]}, num_classes="
+                          f"{num_classes}, image_size={size!r}) failed: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{where}: its factory returned {type(model).__name__}, not a "
+                          "torch.nn.Module")
+    training = model.training
+    try:  # in eval mode: the probe must not move a BatchNorm's running statistics
+        with torch.no_grad():
+            out = model.eval()(torch.zeros(2, *input_shape))
+    except Exception as exc:
+        raise ConfigError(f"{where} does not fit inputs of shape {input_shape}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(f"{where} returned {got} for a batch of 2 inputs; a model returns "
+                          f"logits of shape (batch, {num_classes}), one per class")
+    return model.train(training)
