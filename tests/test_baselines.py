@@ -146,7 +146,18 @@ def test_fedbabu_head_never_changes_during_federated_rounds():
     assert head == ["fc2.weight", "fc2.bias"]
     init = sim.trainer.export()
     down, up = _record(sim)
+    update, trained_heads = sim.client.update, []
+
+    def update_(cid, msg, state, data, gen):
+        result = update(cid, msg, state, data, gen)
+        # what local training left in the trainer: the head must not have moved
+        trained_heads.append({n: sim.client.trainer.export()[n].clone() for n in head})
+        return result
+
+    sim.client.update = update_
     sim.run()
+    assert len(trained_heads) == 3 * sim.num_clients
+    assert all(torch.equal(h[n], init[n]) for h in trained_heads for n in head)
     # the head is never sent, never held by the server, and identical on every client
     assert not {k for rnd in down for m in rnd.values() for k in m.tensors} & set(head)
     assert not {k for _, m in up for k in m.tensors} & set(head)
@@ -155,21 +166,52 @@ def test_fedbabu_head_never_changes_during_federated_rounds():
         assert all(torch.equal(row, init[n]) for row in sim.clients.stack(f"head.{n}"))
     # while the body did train
     assert not torch.equal(sim.server.global_model["fc1.weight"], init["fc1.weight"])
-    # the personal models were fine-tuned, head included, and differ between clients
-    personal = sim.clients.stack("personal.fc2.weight")
-    assert not torch.equal(personal[0], init["fc2.weight"])
-    assert not torch.equal(personal[0], personal[1])
+
+
+def test_fedbabu_evaluates_each_client_on_the_latest_global_body_fine_tuned():
+    from edgepfl.federation.rng import generator
+
+    sim = _sim("algorithm.name=fedbabu", "algorithm.finetune_epochs=2", "train.rounds=2")
+    init = sim.trainer.export()
+    sim.run()
+    body = {k: v.clone() for k, v in sim.server.global_model.items()}
+    tuned = []
+    for cid in (0, 1):
+        msg = sim.server.eval_message(cid)
+        model = sim.client.predictive(cid, sim.clients.row(cid), msg, sim.train_data[cid])[""][0]
+        # by hand: the final global body with the common head, fine-tuned whole
+        sim.trainer.load({**body, "fc2.weight": init["fc2.weight"], "fc2.bias": init["fc2.bias"]})
+        t = sim.cfg.train
+        sim.trainer.fit(sim.train_data[cid], 2, t.batch_size, t.lr,
+                        generator(sim.cfg.seed, "fedbabu-finetune", cid), momentum=t.momentum,
+                        weight_decay=t.weight_decay)
+        expected = sim.trainer.export()
+        assert all(torch.equal(model[k], expected[k]) for k in expected)
+        tuned.append(model)
+    assert not torch.equal(tuned[0]["fc2.weight"], init["fc2.weight"])  # the head moved too
+    assert not torch.equal(tuned[0]["fc2.weight"], tuned[1]["fc2.weight"])
+
+
+def test_fedbabu_finetuning_leaves_the_rounds_training_as_it_is():
+    def body(epochs: int) -> dict:
+        sim = _sim("algorithm.name=fedbabu", f"algorithm.finetune_epochs={epochs}", "train.rounds=2")
+        sim.run()
+        return sim.server.global_model
+
+    zero, two = body(0), body(2)
+    assert all(torch.equal(zero[k], two[k]) for k in zero)
 
 
 def test_fedbabu_without_finetuning_predicts_with_global_body_and_initial_head():
     sim = _sim("algorithm.name=fedbabu", "algorithm.finetune_epochs=0")
     init = sim.trainer.export()
     sim.step()
-    body = {k: v.clone() for k, v in sim.server.global_model.items()}
     sim.step()
-    model = sim.client.personal_model(sim.clients.row(0), sim.server.eval_message(0))
+    body = {k: v.clone() for k, v in sim.server.global_model.items()}
+    model = sim.client.predictive(0, sim.clients.row(0), sim.server.eval_message(0),
+                                  sim.train_data[0])[""][0]
     assert torch.equal(model["fc2.weight"], init["fc2.weight"])
-    assert torch.equal(model["conv1.weight"], body["conv1.weight"])  # one round behind
+    assert torch.equal(model["conv1.weight"], body["conv1.weight"])  # the latest body
 
 
 def test_fedbabu_finetuning_for_evaluation_is_not_a_cost_of_the_round():

@@ -7,10 +7,11 @@ initialisation during federated training makes the body learn features for a fix
 client-independent classifier. Each client then fine-tunes the whole network on its own
 data for ``finetune_epochs`` and predicts with that personal model.
 
-The engine evaluates without client data, so the fine-tuning happens inside ``update``:
-a selected client fine-tunes the global body it received (plus the frozen head) and keeps
-the result as its personal model; it then trains the body for the federation. The
-personal model thus lags the global model by one round (see docs/algorithms.md).
+Federated rounds train the body alone (a ``trainable`` subset). The fine-tuning is the
+paper's test-time protocol: at each evaluation every client fine-tunes the current global
+body with the common head (``predictive``, which gets the client's own training data), so
+the personal model is always that of the latest global body, and fine-tuning is
+evaluation work, not a cost of the rounds.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.federation.accounting import not_counted
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.rng import generator
 from edgepfl.models.layers import LayerSpec
 
 
@@ -47,15 +48,13 @@ def head_names(layers: LayerSpec) -> list[str]:
 
 
 class FedBABUServer(FedAvgServer):
-    """FedAvg over the body; the head is never sent, so it is not part of server state."""
+    """FedAvg over the body; the head is never sent, so it is not part of server state.
+    A client is evaluated from the global body (``eval_message``, FedAvg's)."""
 
     def __init__(self, ctx: ServerContext, hp):
         super().__init__(ctx, hp)
         head = set(head_names(ctx.layers))
         self.global_model = {k: v for k, v in self.global_model.items() if k not in head}
-
-    def eval_message(self, cid: int) -> Message | None:
-        return None  # clients predict with their fine-tuned personal model
 
 
 class FedBABUClient(Client):
@@ -67,10 +66,8 @@ class FedBABUClient(Client):
 
     def init_state(self, cid: int, init_model: State) -> State:
         # the head every client shares: the model's random initialisation, never trained
-        # during federated rounds; the personal model starts as the initial model
-        state = {f"head.{n}": init_model[n].clone() for n in self.head}
-        state.update({f"personal.{k}": v.clone() for k, v in init_model.items()})
-        return state
+        # during federated rounds
+        return {f"head.{n}": init_model[n].clone() for n in self.head}
 
     def _global(self, msg: Message, state: State) -> State:
         missing = set(self.body_names) - set(msg.tensors)
@@ -83,27 +80,44 @@ class FedBABUClient(Client):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         t = self.ctx.train
-        global_model = self._global(msg, state)
-        # personalization: fine-tune the whole received global model (body and head);
-        # evaluation work the paper does once at test time, so not a cost of the round
-        self.trainer.load(global_model)
-        if self.hp.finetune_epochs:
-            with not_counted():
-                self.trainer.fit(data, self.hp.finetune_epochs, t.batch_size, t.lr, gen,
-                                 momentum=t.momentum, weight_decay=t.weight_decay)
-        personal = {f"personal.{k}": v for k, v in self.trainer.export().items()}
         # federated training: the body only, the head stays at its initialisation
-        self.trainer.load(global_model)
+        self.trainer.load(self._global(msg, state))
         stats = self.trainer.fit(data, t.local_epochs, t.batch_size, t.lr, gen,
                                  momentum=t.momentum, weight_decay=t.weight_decay,
                                  trainable=self.body_params)
         reply = Message(self.trainer.export(self.body_names), {"num_samples": data.n})
-        new_state = {f"head.{n}": state[f"head.{n}"].clone() for n in self.head}
-        new_state.update(personal)
-        return UpdateResult(reply, new_state, stats)
+        return UpdateResult(reply, state, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        return {k[len("personal."):]: v for k, v in state.items() if k.startswith("personal.")}
+        """The global body with the common head: the model fine-tuning starts from."""
+        if eval_msg is None:
+            raise MessageError("FedBABU clients start from the global body, but none was given")
+        return self._global(eval_msg, state)
+
+    def predictive(self, cid: int, state: State, eval_msg: Message | None,
+                   data: ClientData) -> dict[str, list[State]]:
+        start = self.personal_model(state, eval_msg)
+        if not self.hp.finetune_epochs:
+            return {"": [start]}
+        t = self.ctx.train
+        # personalization: the whole network (body and head) fine-tuned on the client's
+        # data, with a batch order of its own so that it leaves the rounds' training as is
+        self.trainer.load(start)
+        self.trainer.fit(data, self.hp.finetune_epochs, t.batch_size, t.lr,
+                         generator(self.ctx.seed, "fedbabu-finetune", cid), momentum=t.momentum,
+                         weight_decay=t.weight_decay)
+        tuned = self.trainer.export()
+        self.trainer.forget()
+        return {"": [tuned]}
+
+
+def finetune_unaccounted(hp: FedBABUHyperparameters) -> str | None:
+    """The test-time fine-tuning trains on each client's data outside the accounting."""
+    if not hp.finetune_epochs:
+        return None
+    return (f"algorithm.finetune_epochs = {hp.finetune_epochs}: FedBABU's test-time "
+            "fine-tuning trains on each client's data outside the accounting; set "
+            "algorithm.finetune_epochs = 0 (the global body with the common head)")
 
 
 ALGORITHM = Algorithm(
@@ -114,8 +128,5 @@ ALGORITHM = Algorithm(
     client=FedBABUClient,
     paper="Oh, Kim and Yun, FedBABU: Toward Enhanced Representation for Federated Image "
           "Classification, ICLR 2022",
-    privacy=PrivacySupport(
-        client="mean", sample=True,
-        # DP-SGD fine-tunes the personal model too: every step on the data counts
-        epochs=lambda train, hp: train.local_epochs + hp.finetune_epochs),
+    privacy=PrivacySupport(client="mean", sample=True, unaccounted=finetune_unaccounted),
 )
