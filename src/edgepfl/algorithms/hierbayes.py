@@ -79,23 +79,24 @@ YBAR, MEAS = "ybar.", "meas."
 
 
 class HierBayesHyperparameters(Hyperparameters):
-    # the variance priors' scale and strength: how far clients and edges may stray from
-    # their parents' means
+    # the variance priors' scale: how far clients and edges may stray from their parents'
+    # means (prior_strength is left out: with variance = layer it changes nothing measurable,
+    # its pseudo-observations against a tensor's coordinates x clients; docs/algorithms.md)
     search_space: ClassVar[dict[str, SearchRange]] = {
         "prior_scale": LogUniform(0.1, 10.0),
-        "prior_strength": LogUniform(0.1, 10.0),
     }
     client_std: float = Field(
         1e-3, ge=0, description="eps: the fixed spread of each client's Gaussian posterior "
-        "q_i = N(m_i, eps^2) (FedHB: small and fixed)")
+        "q_i = N(m_i, eps^2) under client_var = fixed (FedHB: small and fixed), and the spread "
+        "of the test-time fit's draws f(theta) = N(m_f, eps^2) (Eq. 33-34) under either")
     variance: Literal["layer", "coordinate"] = Field(
         "layer", description="layer: one client and one edge variance per tensor, learned from "
         "the spread of all its coordinates; coordinate: one per weight coordinate (the prior "
         "then dominates: a coordinate's evidence is a handful of models)")
     prior_scale: float = Field(
-        1.0, gt=0, description="the variance priors' mean, per tensor, as a multiple of that "
+        1.0, gt=0, description="the variance priors' scale, per tensor, as a multiple of that "
         "tensor's initial mean square (a zero-initialised tensor takes the model's): "
-        "b_p / a_p = prior_scale * mean(w_init^2)")
+        "b_p / a_p = prior_scale * mean(w_init^2), i.e. 1 / E[1/sigma^2] under the prior")
     prior_strength: float = Field(
         1.0, gt=0, description="a_p: pseudo-observations behind the prior variance (per "
         "tensor with variance = layer, where the evidence is its coordinates x models)")
@@ -462,7 +463,8 @@ class HierBayesCloud(_Level, Server):
         _, var_e = self.edge_level()
         return {"edge_std": float(var_e.sqrt().mean()),
                 "client_std": float(self.var_c.sqrt().mean()),
-                # the pull a client's mean loss meets, per sample of its data (lambda_k)
+                # 1 / E[s_k^2], averaged over tensors and edges (the pull a client's data
+                # meets is lambda_k = a_k / b_k, per sample lambda_k / n_i)
                 "client_prec": float((1.0 / self.var_c).mean())}
 
 
