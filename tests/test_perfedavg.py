@@ -130,12 +130,11 @@ def test_fo_and_hf_take_equal_steps_and_small_clients_train():
             assert any(not torch.equal(res.reply.tensors[k], glob[k]) for k in sim.trainer.param_names)
 
 
-def test_momentum_is_refused_not_dropped():
+def test_momentum_and_weight_decay_are_refused_when_the_run_is_built():
     import pytest
 
     from edgepfl.errors import ConfigError
 
-    sim = _sim("perfedavg", "train.momentum=0.9")
-    glob = dict(sim.server.global_model)
-    with pytest.raises(ConfigError, match="train.momentum=0.9"):
-        sim.client.update(0, Message(glob), {}, _client_data(sim, 40), torch.Generator())
+    for setting in ("train.momentum=0.9", "train.weight_decay=0.001"):
+        with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
+            _sim("perfedavg", setting)

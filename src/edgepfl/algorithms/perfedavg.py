@@ -29,6 +29,7 @@ from edgepfl.algorithms.base import (
     LogUniform,
     PrivacySupport,
     SearchRange,
+    ServerContext,
     State,
     UpdateResult,
 )
@@ -108,12 +109,7 @@ class PerFedAvgClient(Client):
     def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
                     gen: torch.Generator) -> FitRequest:
         hp, t = self.hp, self.ctx.train
-        if t.momentum or t.weight_decay:
-            # Algorithm 1 is plain SGD on the MAML objective; quietly dropping them would
-            # make a run differ from its config
-            raise ConfigError(f"Per-FedAvg takes plain SGD steps (Algorithm 1): "
-                              f"train.momentum={t.momentum} and train.weight_decay="
-                              f"{t.weight_decay} must be 0")
+        plain_sgd(t)
         self._gen[cid] = gen
         return FitRequest(msg.tensors, data, t.local_epochs, t.batch_size,
                           hp.beta if hp.beta is not None else t.lr, gen,
@@ -171,11 +167,28 @@ class PerFedAvgHFClient(PerFedAvgClient):
 _PAPER = "Fallah, Mokhtari, Ozdaglar, Personalized Federated Learning with Theoretical Guarantees: " \
          "A Model-Agnostic Meta-Learning Approach, NeurIPS 2020"
 
+def plain_sgd(train) -> None:
+    """Algorithm 1 is plain SGD on the MAML objective; quietly dropping momentum or weight
+    decay would make a run differ from its config."""
+    if train.momentum or train.weight_decay:
+        raise ConfigError(f"Per-FedAvg takes plain SGD steps (Algorithm 1): "
+                          f"train.momentum={train.momentum} and train.weight_decay="
+                          f"{train.weight_decay} must be 0")
+
+
+class PerFedAvgServer(FedAvgServer):
+    """FedAvg's server, refusing at set-up what the clients cannot run."""
+
+    def __init__(self, ctx: ServerContext, hp):
+        super().__init__(ctx, hp)
+        plain_sgd(ctx.train)
+
+
 ALGORITHMS = (
     Algorithm(name="perfedavg",
               summary="Per-FedAvg (FO): first-order MAML local steps, FedAvg server, one "
                       "adaptation step before evaluation",
-              hyperparameters=PerFedAvgHyperparameters, server=FedAvgServer,
+              hyperparameters=PerFedAvgHyperparameters, server=PerFedAvgServer,
               client=PerFedAvgClient, paper=_PAPER,
               privacy=PrivacySupport(
                   client="mean", refused="sample level: its meta-gradient steps train "
@@ -183,7 +196,7 @@ ALGORITHMS = (
     Algorithm(name="perfedavg_hf",
               summary="Per-FedAvg (HF): Hessian-free MAML local steps (finite-difference "
                       "Hessian-vector product), one adaptation step before evaluation",
-              hyperparameters=PerFedAvgHyperparameters, server=FedAvgServer,
+              hyperparameters=PerFedAvgHyperparameters, server=PerFedAvgServer,
               client=PerFedAvgHFClient, paper=_PAPER,
               privacy=PrivacySupport(
                   client="mean", refused="sample level: its meta-gradient steps train "

@@ -22,7 +22,8 @@ The reparameterization gradient is taken by the chain rule, not autograd: a draw
 into the trainer's module skeleton, the stock forward/backward gives g = dL/dtheta, and
 dL/dmu_i = g, dL/drho_i = g * eps * sigmoid(rho_i). The KL terms have closed-form
 gradients (``kl_grads``). Clients step with Adam (the reference code's optimizer, lr 0.001
-for both distributions, moments reset every round) or plain SGD; under SGD the KL's
+for both distributions; its moments are reset every round, where the reference code keeps
+them across rounds) or plain SGD; under SGD the KL's
 quadratic term in the means, of precision zeta / (n_i sigma^2), is far stiffer than the
 data term when sigma is small, so it is stepped implicitly (its proximal map, as hierbayes'
 pull) unless ``pull = "explicit"``. docs/algorithms.md has the details and the defaults.
@@ -75,7 +76,7 @@ class PFedBayesHyperparameters(Hyperparameters):
                             "global and personal: sigma = softplus(rho) (-5: sigma = 0.0067)")
     optimizer: Literal["adam", "sgd"] = Field(
         "adam", description="how clients step their Gaussians: adam (the reference code's "
-        "torch Adam, moments reset every round) or plain sgd")
+        "torch Adam; moments reset every round, the reference keeps them) or plain sgd")
     personal_lr: float = Field(1e-3, gt=0, description="learning rate of the personal q_i "
                                "(the paper's eta = 0.001; train.lr is not used)")
     global_lr: float = Field(1e-3, gt=0, description="learning rate of the client's local "

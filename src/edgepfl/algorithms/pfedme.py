@@ -54,7 +54,8 @@ from edgepfl.federation.messages import Message, MessageError
 class PFedMeHyperparameters(Hyperparameters):
     # the paper's lambda (15-20) and inner rates (0.01-0.1), bounded so that
     # personal_lr * lamda stays below 2 (1.8 at most); the outer step moves w_i by
-    # train.lr * lamda of its distance to theta, which past 2 diverges (1.5 at most here)
+    # train.lr * lamda of its distance to theta, kept at 1.5 at most (theta follows w_i,
+    # so larger products need not diverge, but a trial there tunes a different regime)
     search_space: ClassVar[dict[str, SearchRange]] = {
         "lamda": LogUniform(5.0, 30.0),
         "personal_lr": LogUniform(0.003, 0.06),

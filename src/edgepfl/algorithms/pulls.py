@@ -78,7 +78,8 @@ class AdamDirection:
     """torch.optim.Adam's bias-corrected direction m_hat / (sqrt(v_hat) + eps) (no weight
     decay), written over the gradients in place, so that a plain step x - lr * g is Adam's
     step. The moments live in the object: one object, one optimisation (pFedBayes' and
-    hierbayes' clients start fresh ones every round, as the reference code does)."""
+    hierbayes' clients start fresh ones every round; pFedBayes' reference code keeps one
+    Adam per user across rounds, a departure docs/algorithms.md lists)."""
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         self.betas, self.eps = betas, eps
