@@ -855,3 +855,28 @@ def test_bls_client_refuses_server_ages_it_cannot_use():
                 {"age": [0] * L, "omega": 2}):
         with pytest.raises(MessageError, match="age|omega"):
             sim.client._server_ages(Message({}, bad))
+
+
+def test_regularizers_use_the_participants_slice_after_this_rounds_step():
+    """Algorithm 5: slice R to the participants, normalise, step it (Eq. 12), and build each
+    s_i (Eq. 15/34) and Algorithm 3's self-relation from the stepped slice."""
+    server = _server(num_clients=5, bls=True, mu=0.3, r_epochs=1, r_lr=0.5, r_init="random")
+    selected = [1, 2, 4]
+    idx = torch.tensor(selected)
+    sub = server.R[idx.view(-1, 1, 1), torch.arange(2).view(1, -1, 1), idx.view(1, 1, -1)]
+    r = sub / sub.sum(-1, keepdim=True)
+    gram = torch.stack([layer_gram([server.W[p][idx] for p in params])
+                        for params in server.layer_params])
+    r = relation_step(r, gram, server.hp, 5)
+    msgs = server.configure(1, selected)
+    sent = 0
+    for a, cid in enumerate(selected):
+        for l_idx, params in enumerate(server.layer_params):
+            if r[a, l_idx, a] >= server.hp.mu:  # Algorithm 3 on the stepped slice
+                assert not set(params) & set(msgs[cid].tensors)
+                continue
+            sent += 1
+            for p in params:
+                expected = sum(r[a, l_idx, b].float() * server.W[p][j] for b, j in enumerate(selected))
+                torch.testing.assert_close(msgs[cid].tensors[p], expected)
+    assert 0 < sent < 6  # both branches of Algorithm 3 were taken
