@@ -385,3 +385,38 @@ def test_discrepancy_without_the_flat_matrix_equals_eq3_and_eq5_on_it():
     eq5 = float((s - minmax(g.reshape(1, -1))).abs().sum(dim=1).mean()) / flat.shape[1]
     assert math.isclose(layer_discrepancy(iter(list(flat)), g), eq5, rel_tol=1e-12)
     assert math.isclose(layer_discrepancy(flat, g), eq5, rel_tol=1e-12)
+
+
+def test_client_reports_the_received_models_loss_and_trains_trial_models_alike():
+    from edgepfl.federation.rng import generator
+
+    sim = Simulation(fast_config(*QUICK, "train.rounds=4"), progress=False)
+    seen = []
+    update = sim.client.update
+
+    def update_(cid, msg, state, data, gen):
+        result = update(cid, msg, state, data, gen)
+        seen.append((cid, msg, {k: v.clone() for k, v in state.items()}, result))
+        return result
+
+    sim.client.update = update_
+    for _ in range(4):
+        sim.step()
+    normal = [s for s in seen if s[1].meta.get("mode") == "normal"]
+    assert normal, "the run must reach a normal round"
+    cid, msg, state, result = normal[-1]
+    data = sim.train_data[cid]
+    held = {**sim.client.personal_model(state, None), **msg.tensors}
+    before = sum(sim.trainer.evaluate(held, x, y)[1] for x, y in data.buckets()) / data.n
+    # l_i(t) is the loss of the received model laid over the client's own, before training
+    assert result.reply.meta["loss"] == pytest.approx(before, rel=1e-6)
+    trained = {k[len("model."):]: v for k, v in result.state.items() if k.startswith("model.")}
+    after = sum(sim.trainer.evaluate(trained, x, y)[1] for x, y in data.buckets()) / data.n
+    assert after != pytest.approx(before, rel=1e-3)
+    # a trial trains M0 and M1 on one batch order: equal models give equal replies
+    model = sim.trainer.export()
+    trial = Message({**{f"m0.{k}": v for k, v in model.items()},
+                     **{f"m1.{k}": v for k, v in model.items()}}, {"mode": "trial"})
+    res = sim.client.update(0, trial, sim.clients.row(0), sim.train_data[0], generator(0, "t"))
+    assert res.reply.meta["loss0"] == res.reply.meta["loss1"]
+    assert all(torch.equal(res.reply.tensors[f"m0.{k}"], res.reply.tensors[f"m1.{k}"]) for k in model)
