@@ -401,7 +401,11 @@ def test_client_reports_the_received_models_loss_and_trains_trial_models_alike()
 
     sim.client.update = update_
     for _ in range(4):
-        sim.step()
+        start = len(seen)
+        row = sim.step()
+        losses = [r.reply.meta["loss"] for *_, r in seen[start:] if "loss" in r.reply.meta]
+        if losses:  # Eq. 4's l(t): the mean of the round's l_i(t), logged as rdp_loss
+            assert row["rdp_loss"] == pytest.approx(float(np.mean(losses)))
     normal = [s for s in seen if s[1].meta.get("mode") == "normal"]
     assert normal, "the run must reach a normal round"
     cid, msg, state, result = normal[-1]

@@ -502,6 +502,8 @@ class DCPFLServer(Server):
                      for i in range(len(self.ctx.layers))])
         if replies:
             self.losses.append(float(np.mean([float(r.meta["loss"]) for r in replies.values()])))
+            # l(t) of Eq. 4, the curve whose bends end the rapid-decrease periods
+            self._metrics["rdp_loss"] = self.losses[-1]
         self._metrics["layers_up_mean"] = float(np.mean([len(u) for u in ups.values()])) if ups else 0.0
 
         if mode == WARMUP:
