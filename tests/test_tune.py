@@ -187,6 +187,9 @@ def test_a_study_writes_its_tables_and_resumes_to_the_total(tmp_path):
     ran = json.loads((study / best["run_dir"] / "config.json").read_text())
     assert ran["train"]["lr"] == cfg.train.lr and ran["eval"]["validation"] == 0.2
     assert "**" + top["trial"] + "**" in (study / "tune.md").read_text()
+    # the comparison it suggests is in the study's setting, on seeds it was not tuned on
+    suggested = (study / "tune.md").read_text()
+    assert "--set eval.validation=0.2" in suggested and "--seeds 1,2,3,4,5" in suggested
 
     res = invoke("tune", "--algorithm", "fedprox", "--trials", "4", *FAST, *VALIDATION,
                  "--study", str(study), "--no-prune")
@@ -228,6 +231,31 @@ def test_the_sampler_draws_the_same_points_from_the_same_seed(tmp_path):
     assert points(tmp_path / "c", 8, [4]) != straight
 
 
+def test_an_interrupted_point_is_tried_once_more(tmp_path):
+    from optuna.trial import TrialState
+
+    from edgepfl.report.tune import _next_trial, _open_study
+
+    space = {"train.lr": LogUniform(0.001, 0.3)}
+    study, storage = _open_study(tmp_path / "study.db", "none", 2)
+
+    def draw():
+        return _next_trial(study, storage, tmp_path / "lock", 5, 7, space)
+
+    def interrupt(trial):  # what Ctrl-C leaves: not counted, never judged
+        trial.set_user_attr("interrupted", "stopped by the user")
+        study.tell(trial, state=TrialState.FAIL)
+
+    first, point = draw()
+    interrupt(first)
+    again, same = draw()
+    assert same == point and again.number == first.number + 1
+    interrupt(again)  # interrupted twice: left, so that it cannot stall the study
+    third, other = draw()
+    assert other != point
+    study.tell(third, 0.5)
+
+
 class PruneAfterFirstRound(optuna.pruners.BasePruner):
     def prune(self, study, trial):
         return trial.last_step is not None and trial.last_step >= 1
@@ -248,6 +276,7 @@ def test_the_pruning_hook_stops_a_run_that_falls_behind(tmp_path):
     assert [r["round"] for r in metrics] == ["1"]  # of 3 planned
     (row,) = rows(tmp_path / "s" / "tune.csv")
     assert row["state"] == "pruned" and row["rounds"] == "1"
+    assert study.user_attrs["pruners"] == ["PruneAfterFirstRound"]
     assert "No trial has completed yet" in (tmp_path / "s" / "tune.md").read_text()
 
 
@@ -274,6 +303,8 @@ def test_compare_runs_a_tuned_algorithm_at_its_best_setting(tmp_path):
     by_algo = {r["algorithm"]: r["tuned"] for r in rows(out / "comparison.csv")}
     assert by_algo["fedavg"] == "" and "algorithm.mu=0.456" in by_algo["fedprox"]
     assert "fedprox's tuned train.lr replaces" in res.output
+    # an untuned baseline against a tuned method is said, not left to the table
+    assert "fedavg run at their defaults while fedprox were tuned" in res.output
 
     res = invoke(*args[:-1], str(tmp_path / "other"), "--tuned", str(study),
                  "--algorithms", "fedavg,local")

@@ -16,13 +16,15 @@ that are done (complete, pruned, or failed because of their configuration) and r
 rest up to ``--trials``. Several processes (``--jobs``, or the command in several shells)
 draw trials from the same study; each one draws under a file lock, counting the trials
 others are running, so that together they run no more than asked. A trial cut off
-(Ctrl-C, a killed process) is marked interrupted and not counted; its point is not
-retried, another is drawn.
+(Ctrl-C, a killed process) is marked interrupted and not counted; its point is tried
+once more, as the next trial (a point that is interrupted again is left, so that a point
+which kills its process cannot stall the study).
 
 Reproducibility. The sampler (TPE) of each trial is seeded from ``--seed`` and the
-trial's number, so one process with the same seed draws the same points, whether the
-study ran straight or was resumed; with several processes the points depend on which
-trials finished first, as in any parallel search.
+trial's number, so one process with the same seed draws the same points; a study
+resumed after an interruption has an extra trial number (the retried point), so the
+points drawn after it differ from a straight run's. With several processes the points
+depend on which trials finished first, as in any parallel search.
 """
 
 from __future__ import annotations
@@ -265,7 +267,8 @@ def _pruner(pruner: Any, rounds: int):
         # a trial is stopped once its best validation accuracy so far is under the median of
         # the earlier trials' at the same round; not before 5 trials are done (no median to
         # judge by) nor in the first quarter of the rounds (early rounds rank methods badly)
-        return optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=rounds // 4)
+        # (Optuna judges from step == n_warmup_steps, the rounds being 1-based steps)
+        return optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=rounds // 4 + 1)
     if pruner == "none":
         return optuna.pruners.NopPruner()
     if isinstance(pruner, str):
@@ -405,6 +408,13 @@ def _next_trial(study, storage, lock: Path, trials: int, seed: int,
         every = study.get_trials(deepcopy=False)
         if sum(map(_counts, every)) >= trials:
             return None
+        retried = {t.user_attrs.get("retry_of") for t in every}
+        retry = next((t for t in every if "interrupted" in t.user_attrs
+                      and "retry_of" not in t.user_attrs and t.number not in retried), None)
+        if retry is not None:
+            # its point was never judged: the next trial is that point again (a finished
+            # trial cannot be marked, so the retry names the trial it repeats)
+            study.enqueue_trial(retry.params, user_attrs={"retry_of": retry.number})
         # trial numbers follow the trials in the study, and only this lock's holder adds one
         study.sampler = _sampler(seed, len(every))
         trial = study.ask()
@@ -586,6 +596,12 @@ def tune(base: Config, algorithm: str, trials: int, study: Path | None = None, *
             opened.set_user_attr(ATTRS, record)
         else:
             _same_study(stored, record, db)
+        # which pruners judged the study's trials: part of its budget, for compare --tuned
+        used = list(opened.user_attrs.get("pruners", []))
+        name = ("median" if pruner is None else pruner if isinstance(pruner, str)
+                else type(pruner).__name__)
+        if name not in used:
+            opened.set_user_attr("pruners", [*used, name])
     done = sum(map(_counts, opened.get_trials(deepcopy=False)))
     echo(f"study {db}: {algorithm}, {done} of {trials} trials done; searching "
          f"{_space_line(record['space'])}")
@@ -669,12 +685,40 @@ def write_results(study, folder: Path, db: Path, trials: int) -> dict:
                "run_dir": best.user_attrs.get("run_dir"), "settings": settings,
                "params": {k: best.params[k] for k in space if k in best.params},
                "trials": {"planned": trials, **counts}, "space": space,
+               "pruner": ", ".join(study.user_attrs.get("pruners", [])) or None,
                "sampler_seed": record.get("seed"), "study": db.name,
                "config": record.get("config")}
         write_json(folder / BEST, out)
     write_bytes_atomic(folder / "tune.md",
                        tune_markdown(rows, record, space, out, folder, trials, counts).encode())
     return out
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def compare_command(folder: Path, algorithm: str, study_cfg: dict) -> str:
+    """The comparison the study was made for: its setting (what it changed from the
+    defaults, but the algorithm's own settings, which --tuned brings, and where it is
+    reported) and five seeds after the study's own, so that no seed the point was picked
+    on scores it."""
+    from edgepfl.config import build_config
+
+    default = _flat(build_config({"algorithm": {"name": algorithm}}).model_dump())
+    sets = [f"--set {key}={_value_text(value)}" for key, value in _flat(study_cfg).items()
+            if not key.startswith(("algorithm.", "output.")) and key != "seed"
+            and not isinstance(value, list | type(None)) and default.get(key) != value]
+    seed = study_cfg.get("seed", 0) if isinstance(study_cfg.get("seed"), int) else 0
+    seeds = ",".join(str(seed + k) for k in range(1, 6))
+    return " ".join([f"edgepfl compare --tuned {folder} --algorithms {algorithm},...",
+                     *sets, f"--seeds {seeds}"])
 
 
 def tune_markdown(rows: list[dict], record: dict, space: dict[str, str], best: dict,
@@ -719,10 +763,10 @@ def tune_markdown(rows: list[dict], record: dict, space: dict[str, str], best: d
     if best:
         sets = " ".join(f"--set {s}" for s in best["settings"])
         lines += [f"Best: trial {best['trial']}, {_pct(best['value'])} on validation "
-                  f"(in bold above): `{sets}`. On test, over seeds, beside the others:",
+                  f"(in bold above): `{sets}`. On test, over seeds other than the study's, "
+                  "in its setting, beside the others (tuned with the same budget):",
                   "",
-                  f"    edgepfl compare --tuned {folder} --algorithms {algorithm},... "
-                  "--seeds 0,1,2,3,4"]
+                  "    " + compare_command(folder, algorithm, record.get("config") or {})]
     else:
         lines.append("No trial has completed yet: no best setting (best.json is not written).")
     return "\n".join(lines) + "\n"
@@ -775,6 +819,8 @@ def tuned_settings(paths: Iterable[Path], algorithms: list[str], base: Config,
     settings: dict[str, dict] = {}
     notes: dict[str, str] = {}
     source: dict[str, Path] = {}
+    counted: dict[str, int] = {}
+    pruners: dict[str, Any] = {}
     given = base.model_dump()
     for path in paths:
         best, folder = load_best(path)
@@ -792,8 +838,12 @@ def tuned_settings(paths: Iterable[Path], algorithms: list[str], base: Config,
             values[key.strip()] = parse_value(raw.strip())
         settings[name] = values
         trials = best.get("trials") if isinstance(best.get("trials"), dict) else {}
+        counted[name] = sum(v for k, v in trials.items()
+                            if k not in ("planned", "interrupted", "running"))
+        pruners[name] = best.get("pruner")
         notes[name] = (f"tuned: {folder} (trial {best.get('trial')} of "
-                       f"{sum(v for k, v in trials.items() if k != 'planned') or '?'}, "
+                       f"{counted[name] or '?'}"
+                       + (f", pruner {pruners[name]}" if pruners[name] else "") + ", "
                        f"best validation {_pct(best.get('value'))}): "
                        + (", ".join(best["settings"]) or "(nothing searched)"))
         overridden = [k for k in values if k.startswith("algorithm.") and (
@@ -822,4 +872,13 @@ def tuned_settings(paths: Iterable[Path], algorithms: list[str], base: Config,
                 echo(f"note: {name} was tuned in another setting than this comparison's "
                      "(its tuned values may not carry over):\n  "
                      + "\n  ".join(d.replace("run has", "study has") for d in diff))
+    untuned = [a for a in algorithms if a not in settings]
+    if settings and untuned:
+        echo(f"note: {', '.join(untuned)} run at their defaults while "
+             f"{', '.join(settings)} were tuned: a difference between them is partly tuning, "
+             "not the method (tune each with the same budget for a fair comparison)")
+    if len(set(counted.values())) > 1 or len({str(v) for v in pruners.values()}) > 1:
+        echo("note: the studies had different budgets (" + ", ".join(
+            f"{n}: {counted[n]} trials, pruner {pruners[n]}" for n in settings)
+            + "): a difference between the tuned methods is partly the budget")
     return settings, notes
