@@ -265,6 +265,23 @@ def test_compare_table_has_sample_std_intervals_and_the_paired_difference(tmp_pa
         assert float(r["acc_mean_final_ci_low"]) <= float(r["acc_mean_final_mean"])
 
 
+def test_compare_with_a_validation_split_reports_the_round_it_picked(tmp_path):
+    res = invoke("compare", "--algorithms", "local,fedavg", "--seeds", "0,1", *FAST,
+                 "--set", "train.rounds=3", "--set", "eval.validation=0.2",
+                 "--out", str(tmp_path / "c"))
+    assert res.exit_code == 0, res.output
+    table = (tmp_path / "c" / "comparison.md").read_text()
+    assert "| mean acc at validation's best round | its 95% CI |" in table
+    assert "at validation's best round − fedavg" in table
+    with open(tmp_path / "c" / "comparison.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:  # the test figure of the round the validation split picked
+        run = json.loads((tmp_path / "c" / r["run_dir"] / "summary.json").read_text())
+        assert float(r["acc_mean_at_val_best"]) == run["acc_mean_at_val_best"]
+        assert int(r["val_best_round"]) == run["val_best_round"]
+        assert float(r["acc_mean_at_val_best"]) <= float(r["acc_mean_best"])
+
+
 def test_compare_refuses_a_reference_it_does_not_run(tmp_path):
     res = invoke("compare", "--algorithms", "local,fedprox", "--reference", "fedavg", *FAST,
                  "--out", str(tmp_path / "c"))
@@ -332,6 +349,19 @@ def test_sweep_runs_every_combination_and_tabulates_it(tmp_path):
     assert (out / "lr=0.01+alpha=0.5-seed0" / "metrics.csv").read_bytes() == kept
     res = invoke(*args)
     assert res.exit_code == 2 and "already holds a sweep" in res.output
+
+
+def test_sweep_with_a_validation_split_gives_the_figure_to_choose_by(tmp_path):
+    out = tmp_path / "s"
+    res = invoke("sweep", "--grid", "train.lr=0.01,0.05", *FAST, "--set", "train.rounds=2",
+                 "--set", "eval.validation=0.2", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    assert "| at validation's best round | its 95% CI |" in (out / "sweep.md").read_text()
+    with open(out / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        run = json.loads((out / r["run_dirs"] / "summary.json").read_text())
+        assert float(r["acc_mean_at_val_best_mean"]) == run["acc_mean_at_val_best"]
 
 
 @pytest.mark.parametrize("grid,words", [

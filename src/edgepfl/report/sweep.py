@@ -27,7 +27,9 @@ from edgepfl.report.plots import plot_curves, seed_curves
 from edgepfl.report.runs import PlannedRun, check_jobs, run_all
 
 Grid = list[tuple[str, list[Any]]]
-FIGURES = ("acc_mean_best", "acc_mean_final")
+# with eval.validation, acc_mean_at_val_best is the figure to pick a grid point by: the
+# test accuracy at the round the validation split picked (empty without one)
+FIGURES = ("acc_mean_best", "acc_mean_final", "acc_mean_at_val_best")
 
 
 def parse_values(raw: str) -> list[Any]:
@@ -208,6 +210,7 @@ def sweep(base: Config, grid: Grid, seeds: list[int], out: Path,
 def sweep_markdown(rows: list[dict], grid: Grid, seeds: list[int], base: Config) -> str:
     keys = [k for k, _ in grid]
     several = len(seeds) > 1
+    validation = bool(base.eval.validation)
     fixed = setting_line(base.model_dump(), skip=keys)
     algorithm = "" if "algorithm.name" in keys else f"{base.algorithm.name}, "
     varied = "; ".join(f"`{k}` = {', '.join(value_text(v) for v in values)}" for k, values in grid)
@@ -222,15 +225,21 @@ def sweep_markdown(rows: list[dict], grid: Grid, seeds: list[int], base: Config)
            "One seed, so no spread over seeds and no interval (n/a); more seeds with "
            "--seeds. ")
         + "Accuracy (%) is the unweighted mean over clients of each client's personalized "
-        "model on its own test split; *best* is the best round, *final* the last.",
+        "model on its own test split; *best* is the best round, *final* the last"
+        + ("; *at validation's best round* is the test accuracy of the round the clients' "
+           "validation splits picked: choose a grid point by it, not by *best*, which the "
+           "test split picked." if validation else "."),
         "",
         "| " + " | ".join(keys) + " | best mean acc | best 95% CI | final mean acc | "
-        "final 95% CI | MB up | MB down |",
-        "|" + "---|" * (len(keys) + 6),
+        "final 95% CI | " + ("at validation's best round | its 95% CI | " if validation else "")
+        + "MB up | MB down |",
+        "|" + "---|" * (len(keys) + 6 + (2 if validation else 0)),
     ]
     for row in rows:
         cells = [str(row[k]).replace("|", "\\|") for k in keys]
         for fig in FIGURES:
+            if fig == "acc_mean_at_val_best" and not validation:
+                continue
             est = row["estimates"][fig]
             cells += [stats.mean_sd_text(est, 100), stats.interval_text(est, 100)]
         cells += [f"{row['bytes_up_total_mean'] / 1e6:.2f}",
