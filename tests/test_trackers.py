@@ -321,3 +321,44 @@ def test_wandb_offline_run_has_the_config_every_round_and_resumes_under_its_id(t
     figures = {k: v for k, v in summary.items() if k.startswith("summary/")}
     assert figures["summary/rounds"] == 2
     assert all(not math.isnan(v) for v in figures.values())
+
+
+def test_a_shared_sqlite_store_is_made_once_before_worker_processes(tmp_path):
+    pytest.importorskip("mlflow")
+    from edgepfl.engine.trackers import prepare_mlflow_stores
+
+    cfg = fast_config(MLFLOW)
+    prepare_mlflow_stores([(cfg, tmp_path / "cmp" / "fedavg-seed0"),
+                           (cfg, tmp_path / "cmp" / "fedavg-seed1")])
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "cmp" / "mlflow.db") as db:
+        tables = {r[0] for r in db.execute("select name from sqlite_master where type='table'")}
+    assert {"experiments", "runs", "alembic_version"} <= tables  # the schema, migrated
+    prepare_mlflow_stores([(fast_config(), tmp_path / "plain" / "run")])  # no mlflow: nothing
+    assert not (tmp_path / "plain").exists()
+
+
+def test_a_tracker_that_fails_mid_run_leaves_the_run_going_and_catches_up_on_resume(
+        tmp_path, monkeypatch, caplog):
+    pytest.importorskip("tensorboard")
+    from edgepfl.engine.trackers import TensorBoardTracker
+
+    log_rows = TensorBoardTracker.log_rows
+
+    def dies_at_round_two(self, rows):
+        if rows[-1][0] >= 2:
+            raise ConnectionError("the server went away")
+        log_rows(self, rows)
+
+    monkeypatch.setattr(TensorBoardTracker, "log_rows", dies_at_round_two)
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="edgepfl"):
+        result = start_run(fast_config("train.rounds=3", TB), out, progress=False)
+    assert [r["round"] for r in result.metrics] == [1, 2, 3]
+    assert (out / "summary.json").exists()
+    assert "tensorboard failed after round 2 (ConnectionError" in caplog.text
+    assert trackers_state(out)["tensorboard"]["logged"] == 1
+    monkeypatch.setattr(TensorBoardTracker, "log_rows", log_rows)
+    resume_run(out, progress=False, overrides=["train.rounds=4"])
+    assert trackers_state(out)["tensorboard"]["logged"] == 4  # the missed rounds, then round 4

@@ -140,6 +140,7 @@ class ProgressLine(Hook):
 # -- the driver ---------------------------------------------------------------------------
 def drive(rounds: Rounds, hooks: Sequence[Hook]) -> None:
     """Run ``rounds`` to its last round (or its early stop), every hook after each round."""
+    failed: list[Exception] = []
     try:
         while not rounds.done:
             row = rounds.step()
@@ -148,9 +149,15 @@ def drive(rounds: Rounds, hooks: Sequence[Hook]) -> None:
         for hook in hooks:
             hook.after_run(rounds)
     finally:
+        # every hook is closed (the progress line, a tracker's writer) even if one fails
         for hook in hooks:
-            hook.close()
+            try:
+                hook.close()
+            except Exception as exc:
+                failed.append(exc)
         rounds.transport.close()
+    if failed:  # reached only when the rounds ended well: their error goes first
+        raise failed[0]
 
 
 def run_rounds(rounds: Rounds, out: Path | None, *, label: str, progress: bool | None,

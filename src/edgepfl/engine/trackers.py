@@ -24,7 +24,7 @@ import numbers
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -128,6 +128,7 @@ class Tracker(Hook):
         self.state: dict[str, Any] = read_state(out).get(self.name, {})
         self.done = False  # the last round is done: after_summary() ends the tracker run
         self.ended = False
+        self.broken = False  # it failed mid-run: the run goes on without it
 
     @property
     def logged(self) -> int:
@@ -139,17 +140,33 @@ class Tracker(Hook):
 
     # -- what the driver calls ------------------------------------------------------------
     def after_round(self, rounds: Rounds, row: dict) -> None:
-        self.catch_up(rounds.metrics)
+        self._guarded(rounds, lambda: self.catch_up(rounds.metrics))
 
     def after_run(self, rounds: Rounds) -> None:
-        self.catch_up(rounds.metrics)  # a resumed run that had no round left
+        self._guarded(rounds, lambda: self.catch_up(rounds.metrics))  # a resumed run with no round left
         self.done = True
 
+    def _guarded(self, rounds: Rounds, log_it: Callable[[], None]) -> None:
+        """A tracker reports a run, it does not stop it: a tracker that fails (its server
+        gone) is left for the rest of the run; the rounds it lacks are logged when the
+        run is resumed (``logged`` stays at the last round it stored)."""
+        if self.broken:
+            return
+        try:
+            log_it()
+        except Exception as exc:
+            self.broken = True
+            log.warning("output.trackers: %s failed after round %d (%s: %s); the run goes on "
+                        "without it, and edgepfl run --resume logs the rounds it missed",
+                        self.name, rounds.round, type(exc).__name__, exc)
+
     def close(self) -> None:
-        if not self.done:
+        if not self.done and not self.broken:
             self.end(ok=False)
 
     def after_summary(self, summary: dict, out: Path | None) -> None:
+        if self.broken:
+            return
         ok = False
         try:
             self.log_end(int(summary["rounds"]), figures(summary), run_files(self.out))
@@ -245,6 +262,23 @@ def default_mlflow_uri(out: Path) -> str:
     return "sqlite:///" + (out.resolve().parent / "mlflow.db").as_posix()
 
 
+def prepare_mlflow_stores(runs: Iterable[tuple[Config, Path]]) -> None:
+    """Open, once, each SQLite MLflow store that runs in worker processes will share:
+    opening a new store creates its schema, and processes doing that at the same moment
+    collide in MLflow's migrations (duplicate columns, a migration that finds no row).
+    A tracking server migrates itself; a store that cannot be opened is left for each run
+    to report."""
+    uris = {cfg.output.mlflow_uri or default_mlflow_uri(out)
+            for cfg, out in runs if "mlflow" in cfg.output.trackers}
+    for uri in sorted(u for u in uris if u.startswith("sqlite:///")):
+        try:
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        except Exception as exc:  # the runs say what is wrong, each with its own error
+            log.debug("MLflow store %s not prepared: %s", uri, exc)
+
+
 def mlflow_artifacts(uri: str) -> str | None:
     """Where an experiment created in an SQLite store keeps its artifacts: beside the
     database (MLflow's own default is the current directory, wherever the run started);
@@ -272,6 +306,12 @@ class MLflowTracker(Tracker):
 
         self.MlflowException = MlflowException
         uri = cfg.output.mlflow_uri or default_mlflow_uri(out)
+        if uri.startswith(("http://", "https://")):
+            # MLflow's own defaults (7 retries, 120 s each) keep a run silent for minutes
+            # when the server is down; the user's environment still decides if it is set
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+            log.info("connecting to the MLflow server at %s", uri)
         try:
             self.client = MlflowClient(tracking_uri=uri)
             self._open(cfg, out, uri)

@@ -104,6 +104,9 @@ def run_all(runs: list[PlannedRun], out: Path, *, jobs: int = 1, threads: int | 
         for run in runs:
             record(run, _attempt(str(out / run.name), run.config.model_dump(), progress))
     else:
+        from edgepfl.engine.trackers import prepare_mlflow_stores
+
+        prepare_mlflow_stores((run.config, out / run.name) for run in runs)
         _run_in_workers(runs, out, jobs, threads_per_job(jobs, threads), record, echo)
     if failures:
         raise RunsFailed({n: failures[n] for n in names if n in failures},

@@ -627,6 +627,10 @@ def _in_workers(db: Path, folder: Path, base: dict, space: dict[str, str], trial
             "trials": trials, "seed": seed, "pruner": pruner, "threads": threads,
             "log_level": level}
     errors = []
+    from edgepfl.engine.trackers import prepare_mlflow_stores
+
+    # the trials' runs share one store: made once here, not by the workers at once
+    prepare_mlflow_stores([(build_config(base), folder / "trial-0000")])
     # spawn, not fork: a fork copies torch's thread pools in whatever state they are
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
         futures = [pool.submit(_worker, dict(args)) for _ in range(jobs)]
