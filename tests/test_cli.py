@@ -387,3 +387,11 @@ def test_resume_with_a_config_file_names_a_run_directory_that_is_not_one(tmp_pat
     res = invoke("run", "--resume", str(run), str(tmp_path / "same.toml"))
     assert res.exit_code == 2, res.output
     assert "is not an edgepfl run configuration" in res.output
+
+
+def test_compare_progress_lines_name_their_run(tmp_path):
+    fast = [a for a in FAST if a != "--quiet"]
+    res = invoke("compare", "--algorithms", "fedavg", "--seeds", "0,1", *fast,
+                 "--set", "train.rounds=1", "--out", str(tmp_path / "c"))
+    assert res.exit_code == 0, res.output
+    assert "fedavg-seed1: fedavg on synthetic: round 1/1" in res.output

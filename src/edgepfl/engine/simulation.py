@@ -9,6 +9,7 @@ the round loop, the byte counts and the figures are the ones every runtime share
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ from edgepfl.federation.messages import Message
 from edgepfl.federation.store import StackedStore, sendable
 from edgepfl.io import read_json, write_json
 from edgepfl.system import FlopMeter, SystemModel, peak_rss_bytes, work_signature
+
+log = logging.getLogger("edgepfl")
 
 __all__ = ["CHECKPOINT", "METRIC_COLUMNS", "InProcess", "Parts", "RunResult", "Simulation",
            "accuracy_row", "accuracy_summary", "client_split", "load_federation",
@@ -277,14 +280,15 @@ class Simulation:
         return self.rounds.evaluate(self.round)
 
     # -- whole run ---------------------------------------------------------------------
-    def run(self, hooks: Sequence[Hook] = ()) -> RunResult:
+    def run(self, hooks: Sequence[Hook] = (), label: str | None = None) -> RunResult:
         """Every round left, into the run directory if there is one; ``hooks`` are called
-        after each round (``engine.rundir.Hook``)."""
+        after each round (``engine.rundir.Hook``). ``label`` names the run on its progress
+        lines (a comparison's runs: which seed or grid point)."""
         cfg = self.cfg
         if self.out_dir is not None and self.round == 0:
             self._write_setup()
         summary = run_rounds(self.rounds, self.out_dir,
-                             label=f"{cfg.algorithm.name} on {cfg.dataset.name}",
+                             label=label or f"{cfg.algorithm.name} on {cfg.dataset.name}",
                              progress=self.progress, hooks=hooks,
                              clients=lambda: self.clients.state_dict("client/"),
                              extra=self._summary_extra)
@@ -378,7 +382,7 @@ class Simulation:
 
 
 def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | None = None,
-              **kwargs) -> RunResult:
+              label: str | None = None, **kwargs) -> RunResult:
     """Run a configuration into a fresh run directory (refuses to overwrite a run)."""
     cfg = resolve(cfg)
     out = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
@@ -398,12 +402,12 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
         if created and not any(out.iterdir()):
             out.rmdir()
         raise
-    return sim.run()
+    return sim.run(label=label)
 
 
 def resume_run(run_dir: str | Path, cfg: Config | None = None,
                progress: bool | None = None, overrides: list[str] | None = None,
-               **kwargs) -> RunResult:
+               label: str | None = None, **kwargs) -> RunResult:
     """Continue ``run_dir`` from its last checkpoint.
 
     ``cfg`` (a whole configuration) or ``overrides`` (``key=value`` applied to the run's
@@ -453,4 +457,7 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
     if run_cfg.train.rounds != stored["train"]["rounds"]:
         # the old summary goes, so that an interrupted extension does not look finished
         (run_dir / "summary.json").unlink(missing_ok=True)
-    return sim.run()
+    if sim.round:
+        log.info("%s: resuming from round %d of %d", label or run_dir, sim.round,
+                 run_cfg.train.rounds)
+    return sim.run(label=label)

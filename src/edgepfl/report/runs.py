@@ -207,10 +207,12 @@ def _attempt(run_dir: str, config: dict, progress: bool | None) -> Finished | st
     try:
         cfg = build_config(config)
         data = federation_of(cfg)
+        # the progress lines say which of the planned runs they are (seed, grid point)
+        label = f"{path.name}: {cfg.algorithm.name} on {cfg.dataset.name}"
         if (path / "config.json").exists():
-            result = resume_run(path, cfg, progress=progress, **data)
+            result = resume_run(path, cfg, progress=progress, label=label, **data)
         else:
-            result = start_run(cfg, path, progress=progress, **data)
+            result = start_run(cfg, path, progress=progress, label=label, **data)
     except (EdgepflError, OSError) as exc:
         return str(exc)
     except Exception as exc:  # a bug, not bad input: keep where it happened
