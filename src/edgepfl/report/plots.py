@@ -32,10 +32,16 @@ def plot_curves(curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], pa
 
 def seed_curves(per_seed: list[list[tuple[int, float]]]) -> tuple[np.ndarray, np.ndarray,
                                                                     np.ndarray]:
-    """(rounds, mean, sample std) over the seeds' curves, up to the shortest one (a run
-    that stopped early); the std is 0 with one seed."""
-    length = min(len(c) for c in per_seed)
-    x = np.array([r for r, _ in per_seed[0][:length]])
-    acc = np.array([[a for _, a in c[:length]] for c in per_seed]).reshape(len(per_seed), length)
-    spread = acc.std(0, ddof=1) if len(per_seed) > 1 else np.zeros(length)
-    return x, acc.mean(0), spread
+    """(rounds, mean, sample std) over the seeds' curves, round by round over the seeds
+    that reached the round (a run that stopped early leaves the later rounds to the
+    others, rather than cutting every seed's curve to its length); the std is 0 where one
+    seed reached the round."""
+    by_round: dict[int, list[float]] = {}
+    for curve in per_seed:
+        for rnd, acc in curve:
+            by_round.setdefault(rnd, []).append(acc)
+    x = np.array(sorted(by_round))
+    values = [np.array(by_round[r]) for r in x]
+    mean = np.array([v.mean() for v in values])
+    spread = np.array([v.std(ddof=1) if len(v) > 1 else 0.0 for v in values])
+    return x, mean, spread
