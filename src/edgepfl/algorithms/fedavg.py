@@ -87,6 +87,20 @@ class FedAvgServer(Server):
         return Message(self.model_for(cid))
 
 
+def finetuned(client: Client, start: State, data: ClientData, epochs: int, cid: int,
+              stream: str) -> State:
+    """``start`` fine-tuned on the client's own data at test time: ``epochs`` of the run's
+    SGD at train.lr, with a batch order of the client's own (named ``stream``: the
+    evaluation message carries no round, and the rounds' batch orders stay untouched)."""
+    t = client.ctx.train
+    client.trainer.load(start)
+    client.trainer.fit(data, epochs, t.batch_size, t.lr, generator(client.ctx.seed, stream, cid),
+                       momentum=t.momentum, weight_decay=t.weight_decay)
+    tuned = client.trainer.export()
+    client.trainer.forget()
+    return tuned
+
+
 class FedAvgClient(Client):
     batchable = True
 
@@ -115,16 +129,7 @@ class FedAvgClient(Client):
         if self.hp.evaluate != "finetune":
             return super().predictive(cid, state, eval_msg, data)
         start = self.personal_model(state, eval_msg)
-        t = self.ctx.train
-        # one batch order per client (the evaluation message carries no round), plain SGD
-        # at train.lr: what a client would do with the model it receives
-        self.trainer.load(start)
-        self.trainer.fit(data, self.hp.finetune_epochs, t.batch_size, t.lr,
-                         generator(self.ctx.seed, "finetune", cid), momentum=t.momentum,
-                         weight_decay=t.weight_decay)
-        tuned = self.trainer.export()
-        self.trainer.forget()
-        return {"": [tuned]}
+        return {"": [finetuned(self, start, data, self.hp.finetune_epochs, cid, "finetune")]}
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if self.hp.evaluate == "local":

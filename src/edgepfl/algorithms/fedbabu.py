@@ -30,9 +30,8 @@ from edgepfl.algorithms.base import (
     UpdateResult,
 )
 from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.algorithms.fedavg import FedAvgServer, finetuned
 from edgepfl.federation.messages import Message, MessageError
-from edgepfl.federation.rng import generator
 from edgepfl.models.layers import LayerSpec
 
 
@@ -99,16 +98,9 @@ class FedBABUClient(Client):
         start = self.personal_model(state, eval_msg)
         if not self.hp.finetune_epochs:
             return {"": [start]}
-        t = self.ctx.train
-        # personalization: the whole network (body and head) fine-tuned on the client's
-        # data, with a batch order of its own so that it leaves the rounds' training as is
-        self.trainer.load(start)
-        self.trainer.fit(data, self.hp.finetune_epochs, t.batch_size, t.lr,
-                         generator(self.ctx.seed, "fedbabu-finetune", cid), momentum=t.momentum,
-                         weight_decay=t.weight_decay)
-        tuned = self.trainer.export()
-        self.trainer.forget()
-        return {"": [tuned]}
+        # personalization: the whole network, body and head, fine-tuned on the client's data
+        return {"": [finetuned(self, start, data, self.hp.finetune_epochs, cid,
+                               "fedbabu-finetune")]}
 
 
 def finetune_unaccounted(hp: FedBABUHyperparameters) -> str | None:
