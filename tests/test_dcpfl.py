@@ -10,6 +10,7 @@ import torch
 from edgepfl.algorithms import ALGORITHMS
 from edgepfl.algorithms.dcpfl import (
     NORMAL,
+    SYNC,
     TRIAL,
     cut,
     discrepancy_matrix,
@@ -424,3 +425,28 @@ def test_client_reports_the_received_models_loss_and_trains_trial_models_alike()
     res = sim.client.update(0, trial, sim.clients.row(0), sim.train_data[0], generator(0, "t"))
     assert res.reply.meta["loss0"] == res.reply.meta["loss1"]
     assert all(torch.equal(res.reply.tensors[f"m0.{k}"], res.reply.tensors[f"m1.{k}"]) for k in model)
+
+
+def test_a_rejected_split_is_tried_again_after_t_sp_rounds_with_the_same_proposal():
+    sim = Simulation(fast_config(*QUICK, "algorithm.t_sp=2", "train.rounds=30"), progress=False)
+    trial = sim.client._trial
+
+    def worse_split(msg, data, gen):  # every client finds the proposed groups worse
+        result = trial(msg, data, gen)
+        result.reply.meta["loss1"] = result.reply.meta["loss0"] + 1.0
+        return result
+
+    sim.client._trial = worse_split
+    modes, proposals = [], []
+    for _ in range(30):
+        if sim.server.mode == TRIAL:
+            proposals.append(list(sim.server.proposal))
+        modes.append(int(sim.step()["mode"]))
+    trials = [t for t, m in enumerate(modes) if m == TRIAL]
+    assert len(trials) >= 2, modes
+    assert all(accepted == 0 for *_, accepted in sim.server.trials)
+    assert len(set(map(tuple, proposals))) == 1  # the same proposal each time
+    for first, second in zip(trials[:-1], trials[1:], strict=True):
+        # t_sp normal rounds with the old grouping, a sync round, then the trial again
+        assert modes[first + 1:second] == [NORMAL] * 2 + [SYNC], modes
+    assert len(set(sim.server.labels)) == 1  # the old grouping (one group) was kept
