@@ -125,7 +125,8 @@ class HierBayesHyperparameters(Hyperparameters):
     personal_epochs: int = Field(1, ge=1, description="epochs of the test-time fit (part of "
                                  "the evaluation protocol, like the test itself: not round work)")
     staleness_exponent: float = Field(
-        0.5, ge=0, description="topology.mode = async (an extension beyond the paper): an edge "
+        0.5, ge=0, description="topology.mode = async (an extension beyond the paper), and any "
+        "edge none of whose clients' replies arrived in a cloud round (faults): an edge "
         "posterior s cloud periods old enters the cloud block with weight (1 + s)^-a")
     client_var: Literal["learned", "fixed"] = Field(
         "learned", description="learned: q_i's variance is Eq. 24's optimum for the Gaussian "
