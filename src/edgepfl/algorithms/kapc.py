@@ -367,8 +367,9 @@ def search_omega(prev: int, num_layers: int, holds: Callable[[int], bool]) -> tu
     for the short prefixes and fails from some length on; the search walks from the
     previous Omega up while the next length still holds, or down until one holds, and
     stops at 1 (a client always shares its first layer, Omega in [1, L]). It finds the
-    largest such Omega when the lengths that hold are a prefix of 1..L (measured so on
-    the zoo's CNNs: 2,000 random draws each); otherwise a local one. The paper's
+    largest such Omega when the lengths that hold are a prefix of 1..L (so on cnn2,
+    cnn_small and cnn_cifar in a review's 2,000 random draws each); otherwise a local
+    one. The paper's
     pseudo-code (Algorithm 4, lines 16-24) states the two walking directions the other
     way round, which under its own criterion would always end at Omega = 1; we follow
     the reading that reproduces its Fig. 8 (about 19 of 21 layers uploaded).
