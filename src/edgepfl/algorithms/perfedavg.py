@@ -109,7 +109,6 @@ class PerFedAvgClient(Client):
     def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
                     gen: torch.Generator) -> FitRequest:
         hp, t = self.hp, self.ctx.train
-        plain_sgd(t)
         self._gen[cid] = gen
         return FitRequest(msg.tensors, data, t.local_epochs, t.batch_size,
                           hp.beta if hp.beta is not None else t.lr, gen,

@@ -698,25 +698,16 @@ def write_results(study, folder: Path, db: Path, trials: int) -> dict:
     return out
 
 
-def _flat(cfg: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in cfg.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def compare_command(folder: Path, algorithm: str, study_cfg: dict) -> str:
     """The comparison the study was made for: its setting (what it changed from the
     defaults, but the algorithm's own settings, which --tuned brings, and where it is
     reported) and five seeds after the study's own, so that no seed the point was picked
     on scores it."""
     from edgepfl.config import build_config
+    from edgepfl.engine.trackers import flatten
 
-    default = _flat(build_config({"algorithm": {"name": algorithm}}).model_dump())
-    sets = [f"--set {key}={_value_text(value)}" for key, value in _flat(study_cfg).items()
+    default = flatten(build_config({"algorithm": {"name": algorithm}}).model_dump())
+    sets = [f"--set {key}={_value_text(value)}" for key, value in flatten(study_cfg).items()
             if not key.startswith(("algorithm.", "output.")) and key != "seed"
             and not isinstance(value, list | type(None)) and default.get(key) != value]
     seed = study_cfg.get("seed", 0) if isinstance(study_cfg.get("seed"), int) else 0
