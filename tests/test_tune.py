@@ -322,3 +322,20 @@ def test_the_same_command_again_goes_on_with_its_study(tmp_path, monkeypatch):
     assert "1 of 2 trials done" in again.output
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["tune-fedprox"]
     assert len(rows(tmp_path / "runs" / "tune-fedprox" / "tune.csv")) == 2
+
+
+def test_the_median_pruner_never_judges_the_first_quarter_of_the_rounds():
+    from edgepfl.report.tune import _pruner
+
+    study = optuna.create_study(direction="maximize")
+    for value in (0.9, 0.8, 0.85, 0.95, 0.7):  # five finished trials: medians to judge by
+        trial = study.ask()
+        for step in range(1, 9):
+            trial.report(value, step)
+        study.tell(trial, value)
+    pruner = _pruner(None, rounds=8)
+    behind = study.ask()
+    for step in range(1, 9):
+        behind.report(0.0, step)  # far behind from the first round
+        judged = bool(pruner.prune(study, study.trials[-1]))
+        assert judged == (step > 2), step  # rounds 1-2 are the first quarter of 8
