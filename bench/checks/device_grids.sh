@@ -32,24 +32,67 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 export EDGEPFL_DATA=${EDGEPFL_DATA:-$(cd "$here/.." && pwd)/../shared/data}
 start=$(date +%s)
-# the machine's own torch; edgepfl from this checkout (no index is reachable from there)
-python -c "import edgepfl" 2>/dev/null || pip install --quiet --no-deps --no-build-isolation -e . \
-  || export PYTHONPATH=$PWD/src
+# the machine's own torch; edgepfl from this checkout (no index is reachable from there):
+# dependencies it lacks (pydantic) come as wheels in a carried .whl folder
+# (/work/.library/device/README.md says how to download them)
+if ! python -c "import pydantic" 2>/dev/null && [[ -d .whl ]]; then
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! command -v edgepfl >/dev/null; then  # run_one.sh calls the command
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+  mkdir -p /tmp/edgepfl-bin
+  printf '#!/bin/sh\nexec python -c "import sys; from edgepfl.cli import main; sys.exit(main())" "$@"\n' \
+    > /tmp/edgepfl-bin/edgepfl
+  chmod +x /tmp/edgepfl-bin/edgepfl
+  export PATH=/tmp/edgepfl-bin:$PATH
+fi
 python -c "import edgepfl.cli" || { echo "edgepfl does not import here: see above"; exit 1; }
+python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.cuda.is_available())"
+jobs_pids=()
 if [[ $what == hier || $what == both ]]; then
   # the seeds and settings the project machine did not reach (bench/papers/README.md)
   jobs=$((cores - 1)); [[ $what == both ]] && jobs=$((cores - 4))
   ( OUT="$out/hier3" JOBS=$jobs timeout $((limit - 20)) bash "$here/papers/hier_fig3.sh" "${HIER_SEEDS:-1 2}" "2 5 10" \
       "${HIER_SETTINGS:-mnist:pathological fmnist:dirichlet}" "hierbayes hierfavg flat fedavg local pfedbayes" \
       > "$out/hier3.log" 2>&1 ) &
+  jobs_pids+=($!)
 fi
+hmpl_queue() {  # issue 39's runs not yet done on the project machine, the longest first
+  local grid="bash $here/papers/hmpl_tables.sh" dev=${DEVICE_SETTINGS-"train.device=cuda train.batch_clients=true"}
+  export OUT="$out/hmpl39" EVERY=5 HORIZON=800 PRINT=1 EXTRA="$dev"
+  local r=${ROUNDS:-30}
+  $grid "$r" mnist v 2 "hmpl:com_align=fit"  # the name MNIST V's seeds 0-1 are kept under
+  $grid "$r" mnist iv 2 hmpl
+  $grid "$r" fmnist "iv v" 2 hmpl
+  $grid "$r" "mnist fmnist" "iv v" 2 "hmpl_s heterofl fedavg fedper"
+  $grid "$r" "mnist fmnist" v 1 fedper
+  TAG=-com0.1-ord0.6 EXTRA="algorithm.tier_ratio=[0.1,0.6,0.3] $dev" \
+    $grid "$r" mnist v "1 2" "hmpl:com_align=fit"
+  $grid "${LONG_ROUNDS:-100}" "mnist fmnist" "v iv" 0 "hmpl hmpl_s"
+}
 if [[ $what == hmpl || $what == both ]]; then
-  python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')" &&
-  ( OUT="$out/hmpl" JOBS=3 EVERY=5 HORIZON=800 EXTRA="train.device=cuda train.batch_clients=true" \
-      timeout $((limit - 20)) bash "$here/papers/hmpl_tables.sh" 100 mnist "v iv" "0 1 2" \
-      "hmpl hmpl_s" > "$out/hmpl.log" 2>&1 ) &
+  if [[ -z ${DEVICE_SETTINGS+x} ]]; then
+    python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')" ||
+      exit 1
+  fi
+  hmpl_queue > "$out/hmpl_queue.txt"
+  echo "hmpl: $(wc -l < "$out/hmpl_queue.txt") runs queued, ${HMPL_JOBS:-$((cores - 2))} at a time"
+  # one CPU core a run drives its batched steps on the shared GPU; one core is left over
+  ( timeout $((limit - 20)) xargs -P "${HMPL_JOBS:-$((cores - 2))}" -L 1 \
+      bash "$here/grid/run_one.sh" < "$out/hmpl_queue.txt" > "$out/hmpl.log" 2>&1 ) &
+  jobs_pids+=($!)
+  ( while sleep "${MONITOR_EVERY:-60}"; do  # how busy the GPU and the CPUs were, for the record
+      echo "$(( $(date +%s) - start )) s: $(find "$out" -name summary.json | wc -l) finished;" \
+        "GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null);" \
+        "load $(cut -d' ' -f1 /proc/loadavg)"
+    done >> "$out/monitor.log" ) &
+  monitor=$!
 fi
-wait
+wait "${jobs_pids[@]}"
+[[ -z ${monitor:-} ]] || kill "$monitor"
+# xargs' timeout leaves its runs going: stop them before the figures are packed
+pkill -f "edgepfl run" 2>/dev/null; sleep 2
 echo "device_grids: $(( $(date +%s) - start )) s; finished runs:"
 find "$out" -name summary.json | sed 's|/summary.json||' | sort
 mkdir -p "$back"

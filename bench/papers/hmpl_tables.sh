@@ -36,6 +36,8 @@
 #   MODEL=hmpl_ord the baselines' model (hmpl runs hmpl_tiers, hmpl_s hmpl_ord)
 #   (hmpl and hmpl_s train every client in round 1, algorithm.first_round = all, so that the
 #   tiers are tier_ratio of all 60; the baselines train round 1's 10, as in every round)
+#   PRINT=1        print the grid's lines (bench/grid/run_one.sh's arguments) instead of
+#                  running them, to queue several grids as one (bench/checks/device_grids.sh)
 #   EXTRA="k=v ..." further settings for every run, TAG=-name appended to the grid's folder:
 #                  the tier-ratio study (Figs. 8-9) is one grid per ratio, e.g.
 #                  EXTRA="algorithm.tier_ratio=[0.1,0.5,0.4]" TAG=-com0.1-ord0.5 \
@@ -92,4 +94,5 @@ for seed in $seeds; do
       done
     done
   done
-done | xargs -P "${JOBS:-1}" -L 1 bash "$(dirname "$0")/../grid/run_one.sh"
+done | if [[ -n ${PRINT:-} ]]; then cat; else
+  xargs -P "${JOBS:-1}" -L 1 bash "$(dirname "$0")/../grid/run_one.sh"; fi
