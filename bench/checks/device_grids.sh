@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
 # The papers' grids that do not fit the project machine, as one call on a lent device
-# machine (16 CPU cores beside its GPU): HMPL's Tables
-# IV-V with today's defaults (bench/papers/hmpl_tables.sh) on the GPU, several at a time,
-# each tier's clients batched (train.batch_clients); `hier` (or `both`) adds cells of the
-# hierarchical Bayesian Fig. 3 study (bench/papers/hier_fig3.sh) as one-thread CPU runs side
-# by side (its 136 runs are done: only for more seeds or settings).
+# machine (16 CPU cores beside its GPU): `hmpl` runs the HMPL Tables IV-V runs still wanted
+# (hmpl_queue below: the lines of bench/papers/hmpl_tables.sh PRINT=1, the longest first),
+# 14 at a time on the one GPU, each tier's clients batched (train.batch_clients); `hier` (or
+# `both`) adds cells of the hierarchical Bayesian Fig. 3 study (bench/papers/hier_fig3.sh)
+# as one-thread CPU runs side by side (its 136 runs are done: only for more seeds or
+# settings). monitor.log records the GPU's use and the finished count every minute.
+# For a dry run of the mechanics on a CPU: DEVICE_SETTINGS=train.device=cpu ROUNDS=1
+# LONG_ROUNDS=1 FRACTION=0.02 HMPL_JOBS=2.
 # Runs go to runs/device_grids; what comes back is one archive in $OUT (the device call's
 # folder returns at most 8 files) of every finished run's figures, without checkpoints. A run
 # cut off by LIMIT (seconds) is lost.
 #
 # The device machine reaches nothing outside and ../shared does not travel: copy the data
-# into an ignored folder of the checkout first and carry it (about 42 MB; the tree's limit
-# is 64 MiB):
+# into an ignored folder of the checkout first and carry it (about 42 MB), with wheels of
+# what its Python may lack (pydantic and its dependencies, for its Python 3.12):
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl pydantic==2.11.7 pydantic-core==2.33.2 \
+#       annotated-types==0.7.0 typing-inspection==0.4.1
 #     mkdir -p .devdata && cp -r ../shared/data/MNIST ../shared/data/FashionMNIST .devdata/
-#     echo /.devdata/ >> .git/info/exclude
-# then, as the device call (carry [".devdata"], timeout_s 600):
+#     printf '/.devdata/\n/.whl/\n' >> .git/info/exclude
+# The tree that travels is limited to 64 MiB, and bench/results alone is 35 MB of tracked
+# text: untrack it for the call only (the files stay on disk), and track it again after:
+#     git rm -r --cached -q bench/results && echo /bench/results/ >> .git/info/exclude
+#     ... the device call (carry [".devdata", ".whl"], timeout_s 600):
 #     EDGEPFL_DATA=.devdata LIMIT=540 bash bench/checks/device_grids.sh [hmpl|hier|both]
+#     git reset -q bench/results && sed -i '\|^/bench/results/$|d' .git/info/exclude
 # HIER_SEEDS and HIER_SETTINGS choose the hierarchical cells (default: seeds "1 2" of
 # "mnist:pathological fmnist:dirichlet").
 #
