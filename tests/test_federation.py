@@ -46,6 +46,58 @@ def test_hierfavg_with_several_edges_and_one_edge_round_is_fedavg_up_to_rounding
         assert torch.allclose(value, hier.server.global_model[name], rtol=0, atol=1e-6), name
 
 
+def test_one_edge_with_k2_edge_rounds_is_k2_fedavg_rounds():
+    # HierFAVG's k2: each edge round starts from the edge's own average, not the cloud's
+    # model, and the cloud aggregates once per k2 client rounds (seeds: step (r-1) k2 + s)
+    fed = Simulation(fast_config("algorithm.name=fedavg", "train.rounds=2"), progress=False)
+    fed.step()
+    fed.step()
+    hier = Simulation(fast_config(*HIER, "topology.edges=1", "topology.edge_rounds=2",
+                                  "train.rounds=1"), progress=False)
+    hier.step()
+    for name, value in fed.server.global_model.items():
+        assert torch.equal(value, hier.server.global_model[name]), name
+
+
+def test_with_two_edges_and_k2_edge_rounds_the_cloud_takes_the_edges_second_averages():
+    sim = Simulation(fast_config(*HIER, "topology.edges=2", "topology.edge_rounds=2"),
+                     progress=False)
+    sent, averaged = {0: [], 1: []}, {0: [], 1: []}
+    for k, edge in enumerate(sim.edges):
+        def configure(rnd, step, selected, k=k, real=edge.configure):
+            msgs = real(rnd, step, selected)
+            sent[k].append(next(iter(msgs.values())).tensors)
+            return msgs
+
+        def aggregate(rnd, step, replies, k=k, edge=edge, real=edge.aggregate):
+            real(rnd, step, replies)
+            averaged[k].append((dict(edge.model), sum(edge.samples.values())))
+        edge.configure, edge.aggregate = configure, aggregate
+    cloud = {k: v.clone() for k, v in sim.server.global_model.items()}
+    sim.step()
+    for k in (0, 1):
+        assert all(torch.equal(sent[k][0][n], cloud[n]) for n in cloud)  # edge round 1
+        assert all(torch.equal(sent[k][1][n], averaged[k][0][0][n]) for n in cloud)  # round 2
+    (w0, n0), (w1, n1) = averaged[0][1], averaged[1][1]
+    for name, value in sim.server.global_model.items():
+        want = (n0 * w0[name].double() + n1 * w1[name].double()) / (n0 + n1)
+        assert torch.allclose(value.double(), want, rtol=0, atol=1e-6), name
+
+
+def test_an_edge_none_of_whose_clients_replied_does_not_pull_the_cloud_back():
+    sim = Simulation(fast_config(*HIER, "topology.edges=2", "topology.edge_rounds=1"),
+                     progress=False)
+    sim.step()
+    # what the round does when none of edge 1's clients replies: no aggregate call
+    sim.edges[1].aggregate = lambda rnd, step, replies: None
+    seen, real = {}, sim.server.aggregate
+    sim.server.aggregate = lambda rnd, reports: (seen.update(reports), real(rnd, reports))
+    sim.step()
+    assert seen[1].meta["num_samples"] == 0 and "staleness" not in seen[1].meta
+    for name, value in sim.server.global_model.items():  # edge 0's model alone
+        assert torch.equal(value, seen[0].tensors[name]), name
+
+
 def test_edge_cloud_bytes_per_client_round_fall_by_k2():
     _, fed = _run("algorithm.name=fedavg")
     _, k1 = _run(*HIER, "topology.edges=2", "topology.edge_rounds=1")

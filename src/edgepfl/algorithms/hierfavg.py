@@ -107,7 +107,12 @@ class HierFAVGEdge(Edge):
         self.refreshed = 0  # the cloud round of the edge's last aggregation of its clients
 
     def receive(self, rnd: int, msg: Message) -> None:
+        # nobody has trained on the new model yet: if none of the edge's clients replies this
+        # cloud round, it reports the cloud's own model with no samples (weight 0), not with
+        # the last round's samples and an age, which would pull the cloud back to it
         self.model = dict(msg.tensors)
+        self.samples = {}
+        self.refreshed = rnd
 
     def configure(self, rnd: int, step: int, selected: list[int]) -> dict[int, Message]:
         if self.index is None:
