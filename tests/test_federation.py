@@ -327,7 +327,32 @@ def test_the_asynchronous_plan():
     assert async_edge_rounds([None, None], 2) == [2, 2]  # not timed yet: synchronous
     assert async_edge_rounds([1.0, 1.0, 1.0], 3) == [3, 3, 3]
     assert async_edge_rounds([1.0, 1.1, 0.95], 2) == [2, 2, 2]  # within 1 +- 1/(2 k2)
-    assert async_edge_rounds([1.0, 0.5, 5.0], 2) == [2, 4, 0]  # fast: more; 5x slower: busy
+    # fast: more; 5x slower: a free edge starts one round, which outlasts the period
+    assert async_edge_rounds([1.0, 0.5, 5.0], 2) == [2, 4, 1]
+    assert async_edge_rounds([1.0, 0.5, 5.0], 2, [0.0, 0.0, 3.0]) == [2, 4, 0]  # busy
+
+
+def test_a_slow_edge_works_its_share_of_the_periods_and_is_never_shut_out():
+    from edgepfl.engine.schedule import async_debt, async_edge_rounds
+
+    def rounds_over(times, k2, periods):
+        debt, done = [0.0] * len(times), [0] * len(times)
+        for _ in range(periods):
+            plan = async_edge_rounds(times, k2, debt)
+            debt = async_debt(times, k2, plan, debt)
+            done = [a + b for a, b in zip(done, plan, strict=True)]
+        return done
+
+    # periods of k2 x the median time: an edge t times slower runs k2 x periods / t where
+    # its rounds fill whole periods, else up to a quarter less (a new model, and so a new
+    # round, only at a period's start)
+    assert rounds_over([1.0, 1.0, 1.0], 2, 30) == [60, 60, 60]
+    assert rounds_over([1.0, 1.0, 3.0], 1, 30) == [30, 30, 10]
+    assert rounds_over([1.0, 1.0, 8.0], 2, 32) == [64, 64, 8]
+    assert rounds_over([1.0, 1.0, 0.5], 1, 10) == [10, 10, 20]
+    for t, k2 in ((1.2, 1), (2.5, 1), (1.6, 2), (5.0, 3)):
+        ideal = k2 * 60 / t
+        assert 0.75 * ideal <= rounds_over([1.0, 1.0, t], k2, 60)[2] <= ideal
 
 
 def test_asynchronous_edges_of_one_speed_equal_the_synchronous_run_exactly():
@@ -398,6 +423,19 @@ def test_a_slow_edge_is_stale_and_the_cloud_weights_it_down():
     assert all("staleness" not in m[k] for m in seen for k in (0, 1))
     # a busy edge took no new model: its backhaul download is smaller than a fast edge's
     assert sim.rounds.ledger.edge_bytes_down[2] < sim.rounds.ledger.edge_bytes_down[0]
+
+
+def test_a_busy_edge_rejoins_and_its_stale_reports_cross_no_link():
+    sim, slow = _slow_edge_run()
+    for _ in range(8):
+        sim.step()
+    busy = [r["edges_busy"] for r in sim.metrics]
+    assert busy[0] == 0 and 1 in busy[1:] and 0 in busy[2:]  # busy for a while, then back
+    led = sim.rounds.ledger
+    periods_worked = 8 - sum(busy)
+    # the cloud holds a busy edge's last upload: it is sent once per period worked
+    assert led.edge_bytes_up[2] * 8 == led.edge_bytes_up[0] * periods_worked
+    assert led.edge_bytes_down[2] * 8 == led.edge_bytes_down[0] * periods_worked
 
 
 def test_asynchronous_edges_need_the_system_model():

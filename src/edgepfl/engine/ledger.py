@@ -65,6 +65,9 @@ class Ledger:
     # privacy.level = sample: each client's DP-SGD steps per sampling rate and its sample
     # count (edgepfl.privacy.rounds), JSON values
     privacy: dict[str, list] = field(default_factory=dict)
+    # asynchronous edges: each edge's simulated work in hand beyond the periods elapsed
+    # (edgepfl.engine.schedule.async_debt)
+    edge_debt: list[float] = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n, e = self.num_clients, self.num_edges
@@ -77,6 +80,8 @@ class Ledger:
                 setattr(self, name, [math.nan] * n)
         if self.edge_times is None:
             self.edge_times = [None] * e
+        if self.edge_debt is None:
+            self.edge_debt = [0.0] * e
         for name in VAL_BEST:
             self.val_best.setdefault(name, [math.nan] * n)
 
@@ -129,7 +134,8 @@ class Ledger:
                 "edge_bytes_down": self.edge_bytes_down.tolist(),
                 "wall_time_s": self.wall_time, "server_state_bytes": self.server_state_bytes,
                 "client_best": _nulls(self.client_best),
-                "edge_times": self.edge_times, "failures": self.failures.tolist(),
+                "edge_times": self.edge_times, "edge_debt": self.edge_debt,
+                "failures": self.failures.tolist(),
                 "failure_log": self.failure_log,
                 "client_best_selected": _nulls(self.client_best_selected),
                 "val_best": {k: _nulls(v) for k, v in self.val_best.items()},
@@ -162,11 +168,14 @@ class Ledger:
                 list(meta.get("failure_log", [])),
                 {k: [math.nan if v is None else float(v) for v in meta["val_best"][k]]
                  for k in VAL_BEST if k in meta.get("val_best", {})},
-                dict(meta.get("privacy", {})))
+                dict(meta.get("privacy", {})),
+                [float(v) for v in meta.get("edge_debt", [0.0] * edges)])
             if len(metrics) != rnd or ledger.bytes_up.shape != (n,) or \
                     ledger.bytes_down.shape != (n,) or ledger.edge_bytes_up.shape != (edges,) or \
                     ledger.edge_bytes_down.shape != (edges,) or \
                     ledger.failures.shape != (n,) or len(ledger.edge_times) != edges or \
+                    len(ledger.edge_debt) != edges or \
+                    not all(math.isfinite(d) and d >= 0 for d in ledger.edge_debt) or \
                     not all(_failure_entry(e, n) for e in ledger.failure_log) or \
                     any(len(v) != n for v in ledger.val_best.values()) or \
                     any(len(v) != n for v in ledger.privacy.values()):
@@ -434,8 +443,10 @@ class EdgeBook:
             {c: v for c, v in delivery.slowdown.items() if c in received},
             delivery.late & set(received), delivery.deadline))
 
-    def reported(self, k: int, report: Message) -> None:
-        self.backhaul_up[k] = report.nbytes
+    def reported(self, k: int, report: Message, sent: bool = True) -> None:
+        """Edge ``k``'s report to the cloud; ``sent`` False: the cloud holds it already (a
+        busy edge's last upload), so no bytes cross the backhaul."""
+        self.backhaul_up[k] = report.nbytes if sent else 0
         flops, self.pending[k] = self.pending[k], 0
         if self.counting and self.steps[k]:
             last = self.steps[k][-1]

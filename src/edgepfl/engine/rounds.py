@@ -46,7 +46,7 @@ from edgepfl.engine.ledger import (
     validation_summary,
 )
 from edgepfl.engine.parts import Parts
-from edgepfl.engine.schedule import async_edge_rounds, early_stop, round_lr
+from edgepfl.engine.schedule import async_debt, async_edge_rounds, early_stop, round_lr
 from edgepfl.engine.transport import (
     ClientReply,
     Delivery,
@@ -281,8 +281,8 @@ class Rounds:
         fed = self.federation
         k2, edges = fed.edge_rounds, range(fed.edges)
         # synchronous: every edge k2 edge rounds; asynchronous: as many as its speed allows
-        plan = (async_edge_rounds(self.ledger.edge_times, k2) if self.asynchronous
-                else [k2] * fed.edges)
+        plan = (async_edge_rounds(self.ledger.edge_times, k2, self.ledger.edge_debt)
+                if self.asynchronous else [k2] * fed.edges)
         active = [k for k in edges if plan[k] > 0]
         # a busy edge's clients do not take part this period
         selected = self._selected = [c for c in selected if plan[fed.parent[c]] > 0]
@@ -320,32 +320,37 @@ class Rounds:
         for k in edges:  # every edge reports what it holds; a busy one, its last model
             with book.edge(k):
                 report = self.edges[k].report(rnd)
-            book.reported(k, report)
+            # a busy edge's model is the one it last uploaded: the cloud holds it already
+            book.reported(k, report, sent=plan[k] > 0)
             up_e[k] = report.delivered()
         with book.cloud():
             if book.replied:  # a round nobody replied in leaves the cloud as it was
                 self.server.aggregate(rnd, up_e)
         book.close()
-        row = {**book.row(rnd, len(selected)), "_costs": self._hierarchical_costs(book, active)}
+        row = {**book.row(rnd, len(selected)), "_costs": self._hierarchical_costs(book, plan)}
         if self.asynchronous:
             row["edge_rounds_min"], row["edge_rounds_max"] = min(plan), max(plan)
             row["edges_busy"] = fed.edges - len(active)
         return row, losses
 
-    def _hierarchical_costs(self, book: EdgeBook, active: list[int]) -> dict:
+    def _hierarchical_costs(self, book: EdgeBook, plan: list[int]) -> dict:
         """The round's simulated costs, and each edge's speed (its mean edge-round time
-        this period: the asynchronous plan's input)."""
+        this period) and work in hand: the asynchronous plan's inputs."""
         if self.system is None:
             return {}
         costs = self.system.hierarchical_costs(
             {k: st for k, st in book.steps.items() if st}, book.backhaul_down, book.backhaul_up,
             book.cloud_flops if self.counting else None)
-        for k in (active if self.asynchronous else ()):
+        if not self.asynchronous:
+            return costs
+        for k in (k for k in range(len(plan)) if plan[k] > 0):
             times = [self.system.round_costs(st.selected, st.bytes_down, st.bytes_up,
                                              st.flops_client, 0, st.slowdown, st.late,
                                              st.deadline)["t_round"] for st in book.steps[k]]
             if times:
                 self.ledger.edge_times[k] = float(np.mean(times))
+        self.ledger.edge_debt = async_debt(self.ledger.edge_times, self.federation.edge_rounds,
+                                           plan, self.ledger.edge_debt)
         return costs
 
     def eval_message(self, cid: int) -> Message | None:

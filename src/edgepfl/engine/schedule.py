@@ -129,17 +129,39 @@ def can_stop_early(rounds: int, every: int, patience: int) -> bool:
     return patience > 0 and (rounds - 1) // every > patience
 
 
-def async_edge_rounds(times: list[float | None], k2: int) -> list[int]:
+def async_edge_rounds(times: list[float | None], k2: int,
+                      debt: list[float] | None = None) -> list[int]:
     """Edge rounds of each edge in the next cloud period of an asynchronous hierarchy.
 
-    The cloud period is k2 times the median edge's edge-round time; an edge runs as many
-    edge rounds as fit in it, to the nearest whole round (so edges of equal speed, or
-    within a factor 1 +- 1/(2 k2) of it, run k2, as the synchronous schedule does), and an
-    edge more than 2 k2 times slower than the median runs none: it is still busy, takes no
-    new model, and the cloud aggregates the model it holds, stale. Before any edge has been
-    timed (the first period) every edge runs k2."""
+    The cloud period is P = k2 times the median edge's edge-round time t. An edge's
+    ``debt`` is the work it still has in hand beyond the periods elapsed (``async_debt``);
+    it runs the edge rounds that fit in what is left of the period, to the nearest whole
+    round: round((P - debt) / t). So edges of equal speed, or within a factor 1 +- 1/(2 k2)
+    of it, run k2, as the synchronous schedule does, and a faster one more. An edge with
+    debt that earns no round is still busy: it takes no new model, and the cloud aggregates
+    the model it last reported, stale. A free edge (no debt) always starts at least one
+    round, so an edge too slow for one round in a period starts one that takes several
+    periods and is busy in those after it, rather than never running again. Before any edge
+    has been timed (the first period) every edge runs k2."""
     known = [t for t in times if t is not None and math.isfinite(t) and t > 0]
     if len(known) < len(times):
         return [k2] * len(times)
+    debt = debt or [0.0] * len(times)
     period = k2 * float(np.median(known))
-    return [int(math.floor(period / t + 0.5)) for t in known]
+    plan = []
+    for t, d in zip(known, debt, strict=True):
+        n = max(0, int(math.floor((period - d) / t + 0.5)))
+        plan.append(1 if n == 0 and d <= 0 else n)
+    return plan
+
+
+def async_debt(times: list[float | None], k2: int, plan: list[int],
+               debt: list[float]) -> list[float]:
+    """Each edge's work in hand after a cloud period of ``plan``'s edge rounds at the
+    ``times`` measured: its debt, plus its rounds' time, less the period (k2 times the
+    median time), never below 0 (an edge that finishes early waits; it banks no time)."""
+    known = [t for t in times if t is not None and math.isfinite(t) and t > 0]
+    if len(known) < len(times):
+        return list(debt)
+    period = k2 * float(np.median(known))
+    return [max(0.0, d + n * t - period) for t, n, d in zip(known, plan, debt, strict=True)]
