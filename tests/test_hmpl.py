@@ -729,3 +729,17 @@ def test_a_run_from_before_com_align_existed_is_read_as_kept():
     stored = resolve(fast_config(*HMPL)).model_dump()
     del stored["algorithm"]["com_align"]
     assert comparable(stored)["algorithm"]["com_align"] == "kept"
+
+
+def test_a_client_past_the_deadline_in_the_ranking_round_is_ranked_by_its_time():
+    # late clients are the slowest devices: left out of the ranking, they would stay on the
+    # Ord model untiered while the split moved everyone else's tier
+    base = (*HMPL, "algorithm.rank_by=round", "train.rounds=1", "faults.min_replies=0")
+    free = _sim(*base, clients=10)
+    free.step()
+    t = sorted(free.server.times)
+    late = _sim(*base, f"faults.deadline={(t[-3] + t[-2]) / 2}", clients=10)
+    late.step()
+    assert late.metrics[-1]["clients_failed"] == 2
+    assert None not in late.server.tiers
+    assert late.server.tiers == free.server.tiers

@@ -286,7 +286,9 @@ class Server(Stateful, ABC):
     def observe_times(self, rnd: int, times: dict[int, float],
                       flops: dict[int, int] | None = None,
                       compute: dict[int, float] | None = None) -> None:
-        """After ``aggregate``: each replying client's round time in seconds (simulated by
+        """After ``aggregate``: the round time in seconds of each client that replied, late
+        ones included (a late client's time is what made it late; refused replies are
+        not timed), simulated by
         the system model in the simulation, its measured training time on Flower), for an
         algorithm that adapts to its devices' speed (HMPL's tiers), where FLOPs are
         counted (``system.count_flops``, the simulation) each one's local-training FLOPs,

@@ -112,7 +112,6 @@ class HierFAVGEdge(Edge):
         # the last round's samples and an age, which would pull the cloud back to it
         self.model = dict(msg.tensors)
         self.samples = {}
-        self.refreshed = rnd
 
     def configure(self, rnd: int, step: int, selected: list[int]) -> dict[int, Message]:
         if self.index is None:

@@ -176,17 +176,21 @@ def deliver(transport: Transport, f: FaultsConfig, seed: int, system: SystemMode
 
 def client_times(delivery: Delivery, sent_down: dict[int, int], system: SystemModel | None,
                  ) -> tuple[dict[int, float], dict[int, float]]:
-    """Each arrived client's round time (download, training, upload) and its training
-    time alone: simulated by ``system`` (given where FLOPs are counted), else as the
-    client measured its training (``train_s``, on Flower: both are that time); clients
-    with neither are left out."""
-    arrived = sorted(delivery.arrived)
+    """Each timed client's round time (download, training, upload) and its training time
+    alone: every client that trained and replied, the late ones too (their time is what
+    made them late: leaving them out would rank the slowest devices nowhere), not the
+    refused ones. Simulated by ``system`` (given where FLOPs are counted) as the round is
+    priced (the downlink shared among every reply), else as the client measured its
+    training (``train_s``, on Flower: both are that time); clients with neither are left
+    out."""
+    timed = sorted(c for c in delivery.replies if c not in delivery.rejected)
     if system is not None:
-        times = system.client_times(arrived, sent_down, delivery.bytes_up(arrived),
-                                    delivery.flops(arrived), delivery.slowdown)
-        finite = {c: p for c, p in times.items() if math.isfinite(sum(p))}
+        received = sorted(delivery.replies)
+        times = system.client_times(received, sent_down, delivery.priced_up(received),
+                                    delivery.flops(received), delivery.slowdown)
+        finite = {c: times[c] for c in timed if c in times and math.isfinite(sum(times[c]))}
         return ({c: d + t + u for c, (d, t, u) in finite.items()},
                 {c: t for c, (_, t, _) in finite.items()})
-    measured = {c: float(r.stats["train_s"]) for c, r in delivery.arrived.items()
-                if math.isfinite(r.stats.get("train_s", math.nan))}
+    measured = {c: float(delivery.replies[c].stats["train_s"]) for c in timed
+                if math.isfinite(delivery.replies[c].stats.get("train_s", math.nan))}
     return measured, dict(measured)
