@@ -743,3 +743,25 @@ def test_a_client_past_the_deadline_in_the_ranking_round_is_ranked_by_its_time()
     assert late.metrics[-1]["clients_failed"] == 2
     assert None not in late.server.tiers
     assert late.server.tiers == free.server.tiers
+
+
+def test_the_tiers_bytes_add_up_to_the_links_under_faults():
+    # a dropped client received nothing, a refused reply crossed the link: the tiers'
+    # columns split the engine's counts, not the messages the server addressed
+    sim = _sim(*HMPL, "faults.drop_rate=0.3", "faults.min_replies=0", "train.rounds=3",
+               clients=10)
+    rows = [sim.step() for _ in range(3)]
+    assert sum(r["clients_failed"] for r in rows) > 0
+    for r in rows:
+        for d in ("up", "down"):
+            assert sum(r[f"bytes_{d}_{t}"] for t in ("com", "ord", "sup")) == r[f"bytes_{d}"]
+
+
+def test_tier_costs_price_sup_at_the_deepest_stage_trained():
+    # growth after a Sup client's last round tells it a deeper stage it never trained
+    sim = _sim(*HMPL, "train.rounds=2")
+    sim.run()
+    held = int(sim.clients.stack(STAGE).max())
+    assert held >= 1 and sim.server.sup_depth_max() == held + 1
+    assert sim.metrics[-1]["sup_depth_trained"] == held
+    assert sim.summary()["tier_costs"]["sup"]["stage_model"] == stage_model(held)

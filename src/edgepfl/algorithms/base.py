@@ -296,6 +296,13 @@ class Server(Stateful, ABC):
         without the links; on Flower the same measured time). A star's server only."""
         return None
 
+    def observe_traffic(self, rnd: int, down: dict[int, int], up: dict[int, int]) -> None:
+        """After ``aggregate``: the bytes that crossed each client's link this round as the
+        engine counts them (``down``: the messages delivered, none to a dropped client;
+        ``up``: the replies that reached the server, refused ones too), for an algorithm
+        that reports its own split of them (HMPL's per-tier bytes). A star's server only."""
+        return None
+
     def round_metrics(self) -> dict[str, float]:
         """Algorithm-specific per-round figures for metrics.csv (e.g. layers uploaded)."""
         return {}

@@ -327,6 +327,7 @@ class HMPLServer(Server):
         self._sent: dict[int, int] = {}
         self._bytes = dict.fromkeys(BYTE_COLUMNS, 0)
         self._costs: dict[str, float] = {}
+        self._trained_depth = 0  # the deepest Sup stage a reply this round was trained on
         self._warned = False
 
     def stage_of(self, cid: int) -> int:
@@ -349,6 +350,7 @@ class HMPLServer(Server):
                         "still trains the Ord model (the simulation times rounds with "
                         "system.count_flops = true)")
         self._sent, self._bytes, self._costs = {}, dict.fromkeys(BYTE_COLUMNS, 0), {}
+        self._trained_depth = 0
         by_stage: dict[tuple[int, bool], Message] = {}
         out = {}
         for cid in selected:
@@ -363,7 +365,6 @@ class HMPLServer(Server):
                 by_stage[stage, generating] = Message(tensors, instruction(stage))
             out[cid] = by_stage[stage, generating]
             self._sent[cid] = stage
-            self._bytes[f"bytes_down_{tier_name(stage)}"] += out[cid].nbytes
         return out
 
     def check_reply(self, cid: int, reply: Message) -> None:
@@ -375,11 +376,11 @@ class HMPLServer(Server):
 
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None:
         weights = {cid: num_samples(cid, reply) for cid, reply in replies.items()}
-        for cid, reply in replies.items():
+        for cid in replies:
             stage = self._sent.get(cid, self.stage_of(cid))
-            self._bytes[f"bytes_up_{tier_name(stage)}"] += reply.nbytes
             if stage == COM:
                 self.aligned[cid] = True
+            self._trained_depth = max(self._trained_depth, stage)
         # Eqs. 5-8: each layer over the replies that hold it (a Com model has no conv3, only
         # Sup models a CP layer); layers of one holder set are averaged together
         groups: dict[tuple[int, ...], list[str]] = {}
@@ -396,6 +397,13 @@ class HMPLServer(Server):
                 # eta = 1 is the mean itself, bit for bit FedAvg's (Eq. 3)
                 shared[n] = mean[n] if eta == 1.0 else self.shared[n] + eta * (mean[n] - self.shared[n])
         self.shared = shared
+
+    def observe_traffic(self, rnd: int, down: dict[int, int], up: dict[int, int]) -> None:
+        # each tier's share of the links' bytes, by the model each client was sent
+        for direction, sent in (("down", down), ("up", up)):
+            for cid, nbytes in sent.items():
+                stage = self._sent.get(cid, self.stage_of(cid))
+                self._bytes[f"bytes_{direction}_{tier_name(stage)}"] += nbytes
 
     def observe_times(self, rnd: int, times: dict[int, float],
                       flops: dict[int, int] | None = None,
@@ -472,10 +480,13 @@ class HMPLServer(Server):
         for tier in self.tiers:  # a client not ranked yet trains the Ord model
             counts[f"clients_{tier or 'ord'}"] += 1
         costs = self._costs or tier_costs({}, None, self.tiers, {})
-        return {**self._bytes, **counts, "sup_depth_max": self.sup_depth_max(), **costs}
+        return {**self._bytes, **counts, "sup_depth_max": self.sup_depth_max(),
+                "sup_depth_trained": self._trained_depth, **costs}
 
     def sup_depth_max(self) -> int:
-        """The deepest stage a Sup client is told to hold (0: no Sup client)."""
+        """The deepest stage a Sup client is told to hold next (0: no Sup client); one
+        above what it trained where it grew in its last round (``sup_depth_trained`` is the
+        deepest stage a reply was trained on)."""
         return max((d for t, d in zip(self.tiers, self.depths, strict=True) if t == "sup"),
                    default=0)
 
@@ -511,9 +522,12 @@ class HMPLServer(Server):
         """Per tier, over the run: client-rounds trained on the tier's model, their mean round
         time and counted FLOPs (None where none was timed or counted), and what one SGD step
         of the tier's model holds (weights, gradients, saved activations) on a batch of
-        ``train.batch_size`` whole images; a Sup model at the deepest stage a client held."""
+        ``train.batch_size`` whole images; a Sup model at the deepest stage a client trained
+        (runs from before ``sup_depth_trained``: the deepest it was told to hold)."""
         out: dict[str, dict[str, Any]] = {}
-        for tier, stage in (("com", COM), ("ord", ORD), ("sup", max(self.sup_depth_max(), 1))):
+        trained = [r["sup_depth_trained"] for r in metrics if "sup_depth_trained" in r]
+        sup = max(trained, default=0) if trained else self.sup_depth_max()
+        for tier, stage in (("com", COM), ("ord", ORD), ("sup", max(sup, 1))):
             n = sum(r.get(f"trained_{tier}", 0) for r in metrics)
             figures: dict[str, Any] = {"client_rounds": n, "stage_model": stage_model(stage)}
             for key in ("time", "flops"):

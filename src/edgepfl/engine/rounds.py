@@ -250,6 +250,8 @@ class Rounds:
         sent_down = delivery.bytes_down(down, selected)
         sent_up = delivery.bytes_up(selected)
         self.ledger.count_clients(sent_down, sent_up)
+        if type(self.server).observe_traffic is not Server.observe_traffic:
+            self.server.observe_traffic(rnd, sent_down, sent_up)
         costs = {}
         if self.system is not None:
             counting = self.counting
