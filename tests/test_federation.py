@@ -240,6 +240,13 @@ def test_nonsense_topologies_are_refused(overrides, message):
         Simulation(fast_config("algorithm.name=hierfavg", *overrides), progress=False)
 
 
+@pytest.mark.parametrize("key", ["backhaul_mbps=8", "edge_flops=1e9"])
+def test_a_star_refuses_the_settings_only_a_hierarchy_reads(key):
+    with pytest.raises(ConfigError, match="topology.edges"):
+        Simulation(fast_config(f"system.{key}"), progress=False)
+    Simulation(fast_config(*HIER, "topology.edges=2", f"system.{key}"), progress=False)
+
+
 def test_a_star_algorithm_refuses_edges_naming_the_hierarchical_ones():
     with pytest.raises(ConfigError, match="runs on a star.*hierfavg"):
         Simulation(fast_config("algorithm.name=fedavg", "topology.edges=2"), progress=False)

@@ -14,9 +14,10 @@ the classifier's classes kept whole (the paper's Sec. 3, "heterogeneous models")
 
 A client's rate comes from its device tier (``algorithm.rates``, default HMPL's tiers
 weak / ordinary / superior at HeteroFL's levels c / b / a = 0.25 / 0.5 / 1); without
-tiers every client has ``algorithm.rate`` (default 1, which is FedAvg exactly). HeteroFL
-is not personalized: a client predicts with its own slice of the global model, and the
-global (full-width) model is reported beside it as ``acc_global_*``. docs/algorithms.md
+tiers every client has ``algorithm.rate`` (default 1, which is FedAvg exactly on a model
+without BatchNorm). HeteroFL is not personalized in its parameters: a client predicts with
+its own slice of the global model (with BatchNorm, on statistics of its own data), and
+the global (full-width) parameters are reported beside it as ``acc_global_*``. docs/algorithms.md
 lists the choices where the paper leaves room and the departures.
 """
 
@@ -82,7 +83,8 @@ class HeteroFLHyperparameters(Hyperparameters):
         "(None: 1, the full model, which is FedAvg)")
     weighting: Literal["samples", "clients"] = Field(
         "samples", description="weight of a reply in each entry's mean: its sample count "
-        "(FedAvg's, so rate 1 everywhere is FedAvg exactly) or 1 per client (the authors' code)")
+        "(FedAvg's, so rate 1 everywhere is FedAvg exactly) or 1 per client (the paper's "
+        "Sec. 3 rule and the authors' code)")
 
     @field_validator("rates")
     @classmethod

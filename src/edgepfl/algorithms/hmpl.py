@@ -128,15 +128,17 @@ class HMPLHyperparameters(Hyperparameters):
         "cp_merge the identity, ip_align conv3's summed taps from the server's conv3), the "
         "same for every client of a tier (Sec. III-D: 'all the personal models are generated "
         "by an original model'); shared = one random draw per tier, seeded without the "
-        "client; random = a draw per client (runs before this setting)")
+        "client; random = a draw per client (runs before this setting); under com_align = "
+        "fit a Com client with training data refits ip_align before its first step, so "
+        "there this decides the Sup layers' start only")
     com_align: Literal["kept", "fit"] = Field(
         "fit", description="a Com client's ip_align after its generation: kept = its own, "
         "trained only on its own rounds while the shared layers around it move on; fit = "
         "at the start of each of its rounds, refitted by least squares on align_images of "
         "its images so that it gives the server's current conv3 (sent with the Com model, "
         "about 1.2 MB) as nearly as a 1x1 convolution can, then trained as before (still "
-        "never sent); Sec. III-C1: the layer 'aligns' Com's map to the one the shared FC "
-        "layers read")
+        "never sent). Sec. III-C1 adds the 1x1 layer 'to align the channel numbers'; "
+        "sending conv3 and refitting to it is this project's reading, not the paper's")
     align_images: int = Field(
         64, ge=1, description="com_align = fit: how many of the client's training images "
         "(the first, in its own order) the aligner is fitted on")

@@ -135,6 +135,13 @@ class Federation:
     def build(cls, cfg: Config, num_clients: int) -> Federation:
         """``cfg`` resolved (``model.name`` filled in)."""
         system, model, topo = cfg.system, cfg.model, cfg.topology
+        if topo.edges == 0:  # what only a hierarchy reads is an error in a star, not a no-op
+            defaults = type(system).model_fields
+            for key in ("backhaul_mbps", "edge_flops"):
+                if getattr(system, key) != defaults[key].default:
+                    raise ConfigError(f"system.{key} = {getattr(system, key)!r} prices the "
+                                      "edge servers of a hierarchy, but topology.edges = 0 (a "
+                                      "star); set topology.edges, or leave system." + key)
         if system.devices == "tiers":
             assigned = assign_tiers(system.tiers, num_clients, cfg.seed)
             tier = tuple(t.name for t in assigned)

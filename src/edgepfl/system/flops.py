@@ -44,7 +44,7 @@ class FlopMeter:
     """Counts FLOPs of code blocks; with ``cache`` it reuses counts of repeated work.
 
     >>> meter = FlopMeter()
-    >>> with meter.measure(key=("client", cid, work_signature(msg, state))) as m:
+    >>> with meter.measure(key=("client", arch, work_shape, work_signature(msg, state))) as m:
     ...     result = client.update(cid, msg, state, data, gen)
     >>> m.flops  # counted the first time this key is seen, reused afterwards
 
