@@ -469,3 +469,9 @@ def test_report_shows_the_backhaul_of_a_hierarchical_run(tmp_path):
     assert "| backhaul | edge |" in text and "edge-cloud U (MB)" in text
     star_only = report_table([tmp_path / "s"])
     assert "backhaul" not in star_only
+    # U-comm / D-comm are the client links, so the hierarchy's row (the same clients'
+    # FedAvg work, k2 = 1) equals the star's; the backhaul has its own columns
+    comm = text.split("## Communication and computation per round")[1].split("##")[0]
+    hier_row, star_row = [line.split("|")[3:5] for line in comm.splitlines()
+                          if line.startswith("| h |") or line.startswith("| s |")]
+    assert hier_row == star_row

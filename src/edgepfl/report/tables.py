@@ -48,6 +48,13 @@ class RunRecord:
         return self.total(key, summary_key) / self.rounds if self.rounds else math.nan
 
 
+def _client_link(run: RunRecord, direction: str) -> float:
+    """MB a round on the client links; a run from before the split, all links."""
+    value = run.per_round(f"bytes_{direction}_client", f"bytes_{direction}_client_total")
+    return value if math.isfinite(value) else run.per_round(f"bytes_{direction}",
+                                                            f"bytes_{direction}_total")
+
+
 def _number(text: str | None) -> float:
     if text is None or text.strip() == "":
         return math.nan
@@ -153,8 +160,10 @@ def report_table(run_dirs: list[Path]) -> str:
     for run in runs:
         lines.append(_row([
             run.label, str(run.summary.get("algorithm", NA)),
-            _fmt(run.per_round("bytes_up", "bytes_up_total") / 1e6),
-            _fmt(run.per_round("bytes_down", "bytes_down_total") / 1e6),
+            # the client links (KAPC Table 6's U-comm); a hierarchy's backhaul has its own
+            # columns, so a tiered row and a star's compare alike
+            _fmt(_client_link(run, "up") / 1e6),
+            _fmt(_client_link(run, "down") / 1e6),
             _fmt(per_round(run, "flops_client") / 1e9),
             _fmt(per_round(run, "flops_server") / 1e9, 4)]
             + ([_fmt(run.per_round("bytes_up_edge", "bytes_up_edge_total") / 1e6),
