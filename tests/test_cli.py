@@ -395,3 +395,17 @@ def test_compare_progress_lines_name_their_run(tmp_path):
                  "--set", "train.rounds=1", "--out", str(tmp_path / "c"))
     assert res.exit_code == 0, res.output
     assert "fedavg-seed1: fedavg on synthetic: round 1/1" in res.output
+
+
+def test_output_into_a_closed_pipe_is_not_an_error():
+    # `edgepfl list | head -1`: the reader leaves early, which is no failure of the command
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        f"{sys.executable} -c 'import sys; from edgepfl.cli import main; sys.exit(main())' "
+        "list | head -1", shell=True, capture_output=True, executable="/bin/bash",
+        env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(
+            __file__).parents[1] / "src")})
+    assert proc.stdout.strip()
+    assert b"Broken pipe" not in proc.stderr and b"error" not in proc.stderr

@@ -15,6 +15,7 @@ from flwr.app import Message as FlowerMessage  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from edgepfl.algorithms import get_algorithm  # noqa: E402
+from edgepfl.config import build_config  # noqa: E402
 from edgepfl.engine import flower  # noqa: E402
 from edgepfl.engine.flower import (  # noqa: E402
     COLUMNS,
@@ -527,3 +528,22 @@ def test_a_newcomer_that_fails_its_query_does_not_keep_the_others_out():
     result = _serve(TwoLate(app_with(query=query), 4, rc), rc)
     # client 2 joins with client 3's failing node beside it and trains from round 2
     assert result.summary["clients_failed_per_client"] == [0, 0, 1, 3]
+
+
+def test_neither_runtime_resumes_the_others_run_and_the_folder_is_left_as_it_was(tmp_path):
+    from edgepfl.engine.simulation import resume_run, start_run
+
+    # a Flower run keeps its clients' state on the nodes: the simulation has none to go on
+    flower_run = tmp_path / "flower"
+    run_local(run_config(algorithm__name="local", out=str(flower_run)))
+    before = {p.name: p.read_bytes() for p in flower_run.iterdir()}
+    with pytest.raises(EdgepflError, match="flower run's checkpoint"):
+        resume_run(flower_run, overrides=["train.rounds=3"], progress=False)
+    assert {p.name: p.read_bytes() for p in flower_run.iterdir()} == before
+    # a simulation run keeps them in its checkpoint: Flower's nodes do not hold them
+    sim_run = tmp_path / "sim"
+    start_run(build_config(None, [f"{k}={v}" for k, v in run_config(algorithm__name="local")
+                                  .items()]), sim_run, progress=False)
+    with pytest.raises(EdgepflError, match="simulation run's checkpoint"):
+        run_local(run_config(algorithm__name="local", out=str(sim_run), resume=True,
+                             train__rounds=3))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,9 @@ def _user_errors(on_interrupt: str):
         def wrapper(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
+            except BrokenPipeError:  # the reader went away (| head): not an error of ours
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                sys.exit(0)
             except (EdgepflError, OSError) as exc:  # OSError: an unwritable folder, a full disk
                 click.echo(f"error: {exc}", err=True)
                 sys.exit(2)

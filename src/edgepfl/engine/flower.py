@@ -605,7 +605,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
     parts = Parts.build(cfg, dataset, n, out)
     rounds = Rounds(parts, FlowerTransport(None, {}, timeout, n, parts.federation.parent))
     if resume:
-        load_checkpoint(out / CHECKPOINT, rounds)
+        load_checkpoint(out / CHECKPOINT, rounds, runtime="flower")
         log.info("resuming %s after round %d", out, rounds.round)
     rounds.transport.grid = grid
     rounds.transport.nodes = discover(grid, n, wait, timeout, parts.federation.parent,

@@ -118,7 +118,8 @@ class Checkpoints(Hook):
         if self.policy.due(rounds.round, rounds.last_round):
             with self.policy.writing():
                 save_checkpoint(self.out, self.cfg, rounds,
-                                self.clients() if self.clients is not None else None)
+                                self.clients() if self.clients is not None else None,
+                                runtime="simulation" if self.clients is not None else "flower")
 
 
 class ProgressLine(Hook):
@@ -219,22 +220,37 @@ def finish_run_dir(out: Path, cfg: Config, summary: dict, server, metrics: list[
         plot_accuracy(metrics, out / "accuracy.png", f"{cfg.algorithm.name} on {cfg.dataset.name}")
 
 
+RUNTIMES = ("simulation", "flower")
+
+
 def save_checkpoint(out: Path, cfg: Config, rounds: Rounds,
-                    clients: Mapping[str, torch.Tensor] | None = None) -> None:
+                    clients: Mapping[str, torch.Tensor] | None = None,
+                    runtime: str = "simulation") -> None:
     """The server's and edges' state, the ledger, and ``clients`` (tensors named
-    ``client/...``) in ``out``/checkpoint.safetensors, replaced whole."""
+    ``client/...``) in ``out``/checkpoint.safetensors, replaced whole. ``runtime`` says
+    where the clients' state is: in the checkpoint (the simulation) or on the nodes
+    (Flower), so that neither resumes the other's run."""
     tensors, meta = rounds.save_state()
     tensors.update(clients or {})
-    meta.update(config=cfg.model_dump(), edgepfl_version=__version__)
+    meta.update(config=cfg.model_dump(), edgepfl_version=__version__, runtime=runtime)
     write_tensors(out / CHECKPOINT, tensors, meta)
 
 
-def load_checkpoint(path: Path, rounds: Rounds) -> dict[str, torch.Tensor]:
+def load_checkpoint(path: Path, rounds: Rounds, runtime: str = "simulation"
+                    ) -> dict[str, torch.Tensor]:
     """Put ``rounds`` where the checkpoint at ``path`` left its run, and return the
     checkpoint's tensors (the runtime takes its clients' state from them). A checkpoint
-    that is malformed or belongs to another configuration is refused before a thing is
-    changed."""
+    that is malformed, belongs to another configuration or was written by the other
+    ``runtime`` is refused before a thing is changed."""
     tensors, meta = read_tensors(path)
+    written = meta.get("runtime", runtime)  # checkpoints from before 2026-11-28 say none
+    if written != runtime:
+        where = {"simulation": "in the checkpoint", "flower": "on the Flower nodes"}
+        raise EdgepflError(
+            f"{path} is a {written} run's checkpoint (its clients' state is "
+            f"{where.get(written, '?')}); the {runtime} runtime cannot go on from it: resume "
+            + ("it with flwr run ... --run-config 'resume=true'" if written == "flower"
+               else "it with edgepfl run --resume") + ", or start a new run")
     fed, cfg = rounds.federation, rounds.cfg
     ledger = Ledger.from_meta(meta, fed.num_clients, fed.edges,
                               rounds.ledger.server_state_bytes, path)
