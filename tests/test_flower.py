@@ -474,7 +474,45 @@ def test_a_restarted_supernode_continues_from_its_state_dir(tmp_path):
     assert without_wall(kept.metrics) == without_wall(straight.metrics)
     assert without_wall(lost.metrics) != without_wall(straight.metrics)
     files = sorted(p.name for p in tmp_path.rglob("*.safetensors"))
-    assert files == ["client-0.safetensors", "client-1.safetensors", "client-2.safetensors"]
+    assert files == sorted(f"client-{c}{kind}.safetensors" for c in range(3)
+                           for kind in ("", ".prev"))
+
+
+class CrashAfterTrain(LocalGrid):
+    """The clients train round ``at``; the ServerApp dies before it reads their replies,
+    so its checkpoint is of the round before."""
+
+    def __init__(self, *args, at, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at = at
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        ids = self.push_messages(messages)
+        if self.at and any(m.metadata.message_type == "train"
+                           and m.metadata.group_id == str(self.at) for m in messages):
+            self.at = 0
+            raise Crash
+        return self.pull_messages(ids)
+
+
+@pytest.mark.parametrize("state_dir", [False, True])
+def test_a_resume_after_the_clients_trained_does_not_train_that_round_twice(tmp_path, state_dir):
+    # the clients kept round 3's state before the server's checkpoint of round 2: the
+    # resumed round 3 must start from the state they had after round 2
+    rc = run_config(algorithm__name="kapc", train__rounds=3)
+    straight = _serve(LocalGrid(client_app, 3, rc), rc)
+    grid = CrashAfterTrain(client_app, 3, rc, at=3)
+    for ctx in grid.contexts.values():
+        if state_dir:
+            ctx.node_config["state-dir"] = str(tmp_path / "state")
+    with pytest.raises(Crash):
+        _serve(grid, {**rc, "out": str(tmp_path / "run")})
+    if state_dir:  # restarted nodes: only their state-dir remembers
+        for ctx in grid.contexts.values():
+            ctx.state = RecordDict()
+    resumed = _serve(grid, {**rc, "out": str(tmp_path / "run"), "resume": True})
+    assert without_wall(resumed.metrics) == without_wall(straight.metrics)
 
 
 class OfflineNodeGrid(LocalGrid):
@@ -547,3 +585,27 @@ def test_neither_runtime_resumes_the_others_run_and_the_folder_is_left_as_it_was
     with pytest.raises(EdgepflError, match="simulation run's checkpoint"):
         run_local(run_config(algorithm__name="local", out=str(sim_run), resume=True,
                              train__rounds=3))
+
+
+def test_two_runs_of_one_configuration_into_other_folders_do_not_share_client_state(tmp_path):
+    rc = run_config(algorithm__name="local")
+
+    def run(out):  # one run config for the ServerApp and its ClientApps, as flwr run gives
+        config = {**rc, "out": str(tmp_path / out)}
+        grid = LocalGrid(client_app, 3, config)
+        for ctx in grid.contexts.values():
+            ctx.node_config["state-dir"] = str(tmp_path / "state")
+        return _serve(grid, config)
+
+    first, second = run("a"), run("b")
+    assert without_wall(second.metrics) == without_wall(first.metrics)
+
+
+def test_a_resume_warns_that_client_state_needs_a_state_dir(tmp_path, caplog):
+    rc = run_config(algorithm__name="local", train__rounds=3)
+    grid = CrashingGrid(client_app, 3, rc, at=3)
+    with pytest.raises(Crash):
+        _serve(grid, {**rc, "out": str(tmp_path)})
+    with caplog.at_level("WARNING", logger="edgepfl"):
+        _serve(grid, {**rc, "out": str(tmp_path), "resume": True})
+    assert "state-dir" in caplog.text

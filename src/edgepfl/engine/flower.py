@@ -95,6 +95,8 @@ TENSORS = "edgepfl.tensors"
 META = "edgepfl.meta"
 STATS = "edgepfl.stats"
 STATE = "edgepfl.state"
+STATE_PREV = "edgepfl.state.prev"  # the state before the last step (a resume may need it)
+STATE_STEPS = "edgepfl.state.steps"  # the client steps the two states are from
 PARTITION_ID = "partition-id"
 EDGE_ID = "edge-id"
 STATE_DIR = "state-dir"
@@ -234,30 +236,70 @@ def _client(context: Context) -> tuple[Config, int, _Node]:
 def _state_file(context: Context, cfg: Config, cid: int) -> Path | None:
     """Where node config ``state-dir`` keeps client ``cid``'s state of this run (the run is
     its configuration less the settings a resumed run may change: ``train.rounds``, where
-    it executes, its trackers; ``rundir.without_rounds``)."""
+    it executes, its trackers; ``rundir.without_rounds``; and the ServerApp's ``out``)."""
     root = context.node_config.get(STATE_DIR)
     if root is None:
         return None
     if not isinstance(root, str) or not root:
         raise ConfigError(f"SuperNode {context.node_id} has node config {STATE_DIR}={root!r}; "
                           "it must be a folder path")
-    settings = without_rounds(cfg.model_dump())
+    # the run: its settings and its folder (a new run of one configuration into another
+    # out does not take up the last one's state; a resume, into the same out, does)
+    settings = {**without_rounds(cfg.model_dump()), OUT: context.run_config.get(OUT)}
     run = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return Path(root) / run / f"client-{cid}.safetensors"
 
 
-def _state(context: Context, node: _Node, cid: int, cfg: Config | None = None) -> dict[str, torch.Tensor]:
-    """What the client kept from its last round: in the node's memory, else (a restarted
-    SuperNode) in its ``state-dir``, else its initial state."""
+def _state(context: Context, node: _Node, cid: int, cfg: Config,
+           before: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """What the client kept from its last step before client step ``before``, with that
+    step (0: its initial state): in the node's memory, else (a restarted SuperNode) in its
+    ``state-dir``, else its initial state. A client keeps its last two steps' states, so
+    that a ServerApp resumed from the checkpoint of the round before one its clients had
+    already trained in hands them the state they had then, not the one after (which
+    would train that round twice); a state further ahead is refused."""
+    versions: list[tuple[int, dict[str, torch.Tensor]]] = []
     if STATE in context.state:
-        return {k: torch.from_numpy(np.array(a.numpy(), copy=True))
-                for k, a in context.state[STATE].items()}
-    path = _state_file(context, cfg, cid) if cfg is not None else None
-    if path is not None and path.exists():
-        tensors, _ = read_tensors(path)
-        return tensors
-    arch = node.parts.architectures[node.parts.federation.arch[cid]]
-    return node.client(cid).init_state(cid, arch.init_model)
+        steps = context.state[STATE_STEPS] if STATE_STEPS in context.state else {}
+        for key, name in ((STATE, "cur"), (STATE_PREV, "prev")):
+            if key in context.state:
+                versions.append((int(steps.get(name, 0)), {
+                    k: torch.from_numpy(np.array(a.numpy(), copy=True))
+                    for k, a in context.state[key].items()}))
+    else:
+        path = _state_file(context, cfg, cid)
+        for file in ((path, path.with_suffix(".prev.safetensors")) if path is not None else ()):
+            if file.exists():
+                tensors, meta = read_tensors(file)
+                versions.append((int(meta.get("round", 0)), tensors))
+    if not versions:
+        arch = node.parts.architectures[node.parts.federation.arch[cid]]
+        return 0, node.client(cid).init_state(cid, arch.init_model)
+    usable = [(step, t) for step, t in versions if step < before]
+    if not usable:
+        raise MessageError(
+            f"client {cid}'s state is from step {min(s for s, _ in versions)} or later, but "
+            f"the server asks for step {before}: the ServerApp resumed from a checkpoint "
+            "older than its clients' last two steps (output.checkpoint_every above 1?)")
+    return max(usable, key=lambda v: v[0])
+
+
+def _keep(context: Context, cfg: Config, cid: int, step: int, state: dict[str, torch.Tensor],
+          prev: tuple[int, dict[str, torch.Tensor]]) -> None:
+    """Keep ``state`` as the client's state after ``step``, and ``prev`` (the state it
+    trained from) beside it."""
+    def record(tensors):
+        return ArrayRecord({k: Array(v.detach().contiguous().numpy()) for k, v in tensors.items()})
+
+    context.state[STATE] = record(state)
+    context.state[STATE_PREV] = record(prev[1])
+    context.state[STATE_STEPS] = ConfigRecord({"cur": step, "prev": prev[0]})
+    path = _state_file(context, cfg, cid)
+    if path is not None:  # before the reply: a node that dies after it keeps its state
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_tensors(path.with_suffix(".prev.safetensors"), prev[1],
+                      {"client": cid, "round": prev[0]})
+        write_tensors(path, state, {"client": cid, "round": step})
 
 
 def _round(message: FlowerMessage) -> int:
@@ -292,19 +334,13 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     cfg, cid, node = _client(context)
     rnd = _round(message)
     msg = from_content(message.content)
-    state = _state(context, node, cid, cfg)
+    step, state = _state(context, node, cid, cfg, before=rnd)
     train = node.split(cid).train
     started = time.perf_counter()
     result = client_step(cfg, node.client(cid), rnd, cid, msg, state, train)
     train_s = time.perf_counter() - started
     # entries a client does not return keep their value, as in the simulation's store
-    kept = {**state, **result.state}
-    context.state[STATE] = ArrayRecord(
-        {k: Array(v.detach().contiguous().numpy()) for k, v in kept.items()})
-    path = _state_file(context, cfg, cid)
-    if path is not None:  # before the reply: a node that dies after it keeps its state
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_tensors(path, kept, {"client": cid, "round": rnd})
+    _keep(context, cfg, cid, rnd, {**state, **result.state}, (step, state))
     content = to_content(result.reply)
     # a NaN loss travels as NaN, so that a diverging client shows, as in the simulation
     stats = {k: float(v) for k, v in result.stats.items()}
@@ -326,8 +362,10 @@ def _evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     figures: dict[str, int | float] = {"correct": 0, "count": count, "loss": 0.0}
     if count:
         node.trainer(cid).forget()
-        f = evaluate_client(node.client(cid), node.trainer(cid), cid,
-                            _state(context, node, cid, cfg),
+        # the state after the round's last client step: (round - 1) * k2 + k2
+        _, state = _state(context, node, cid, cfg,
+                          before=_round(message) * cfg.topology.edge_rounds + 1)
+        f = evaluate_client(node.client(cid), node.trainer(cid), cid, state,
                             eval_msg, train, test, val)
         figures.update(correct=int(f.correct), loss=float(f.loss))
         for name, (correct, loss) in f.extra.items():
@@ -607,6 +645,13 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
     if resume:
         load_checkpoint(out / CHECKPOINT, rounds, runtime="flower")
         log.info("resuming %s after round %d", out, rounds.round)
+        name = parts.federation.arch[0]
+        if parts.client(name).init_state(0, parts.architectures[name].init_model):
+            log.warning("%s's clients keep state between rounds, on their nodes: a resumed "
+                        "run goes on from it only where every node has node config %s "
+                        "(a new flwr run starts its nodes with empty memory); nodes without "
+                        "it start their clients from their initial state", cfg.algorithm.name,
+                        STATE_DIR)
     rounds.transport.grid = grid
     rounds.transport.nodes = discover(grid, n, wait, timeout, parts.federation.parent,
                                       min_nodes(run_config, n))
