@@ -96,9 +96,10 @@ flwr run "$app" local --stream --run-config "out=\"$out\""
 python - "$app/pyproject.toml" "$out" <<'PY'
 import csv, sys, tomllib
 from edgepfl.config import build_config
+from edgepfl.engine.flower import SERVER_KEYS
 from edgepfl.engine.simulation import Simulation
 conf = tomllib.load(open(sys.argv[1], "rb"))["tool"]["flwr"]["app"]["config"]
-sets = [f"{k}={v}" for k, v in conf.items() if k not in ("out", "wait")]
+sets = [f"{k}={v}" for k, v in conf.items() if k not in SERVER_KEYS]  # the ServerApp's own
 sim = Simulation(build_config({}, sets + ["output.plots=false"]), progress=False).run()
 flower = list(csv.DictReader(open(f"{sys.argv[2]}/metrics.csv")))
 print("round  acc_mean flower / simulation   bytes_up flower / simulation"
