@@ -188,8 +188,11 @@ CASES = {
 # apart; the batched fit is 3e-8 from the NCHW one. On AVX2 CPUs (the CI machines) the same
 # layout effect reaches 6.0e-5 for fedavg-local and dcpfl, and KAPC-BLS's coaching gradient,
 # which scales with the distance to its targets, carries it to 6.0e-4 (measured there).
+# On an AVX-512 Intel Xeon (a project machine, 2026-11-28) FedAvg on a BatchNorm
+# model ends 3.6e-4 from the sequential run in its states (its metrics 4.7e-5 relative): the
+# same layout effect, carried through the normalisation as FedBN's is.
 STATE_ATOL = {"clusterfl": 1e-4, "fedavg-local": 1e-4, "dcpfl": 1e-4, "kapc_bls": 1e-3,
-              "fedbn": 1e-3}
+              "fedbn": 1e-3, "fedavg-bn": 1e-3}
 # FedBN's local BatchNorm layers carry such differences from round to round: two sequential
 # runs of this case, on channels-last and on NCHW kernels, end 4.0e-4 apart in their states
 # and 9.5e-6 in round 3's test loss; the batched run 2.8e-4 and 1.4e-4
