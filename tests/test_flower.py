@@ -497,12 +497,17 @@ class CrashAfterTrain(LocalGrid):
 
 
 @pytest.mark.parametrize("state_dir", [False, True])
-def test_a_resume_after_the_clients_trained_does_not_train_that_round_twice(tmp_path, state_dir):
+@pytest.mark.parametrize("algorithm,hierarchy,at", [
+    ("kapc", {}, 3),
+    # two edge rounds a cloud round: steps 5 and 6 both trained before round 2's checkpoint
+    ("hierfavg", {"topology.edges": 2, "topology.edge_rounds": 2}, 6)])
+def test_a_resume_after_the_clients_trained_does_not_train_that_round_twice(
+        tmp_path, state_dir, algorithm, hierarchy, at):
     # the clients kept round 3's state before the server's checkpoint of round 2: the
     # resumed round 3 must start from the state they had after round 2
-    rc = run_config(algorithm__name="kapc", train__rounds=3)
+    rc = {**run_config(algorithm__name=algorithm, train__rounds=3), **hierarchy}
     straight = _serve(LocalGrid(client_app, 3, rc), rc)
-    grid = CrashAfterTrain(client_app, 3, rc, at=3)
+    grid = CrashAfterTrain(client_app, 3, rc, at=at)
     for ctx in grid.contexts.values():
         if state_dir:
             ctx.node_config["state-dir"] = str(tmp_path / "state")
@@ -512,6 +517,7 @@ def test_a_resume_after_the_clients_trained_does_not_train_that_round_twice(tmp_
         for ctx in grid.contexts.values():
             ctx.state = RecordDict()
     resumed = _serve(grid, {**rc, "out": str(tmp_path / "run"), "resume": True})
+    assert [r["clients_failed"] for r in resumed.metrics] == [0, 0, 0]
     assert without_wall(resumed.metrics) == without_wall(straight.metrics)
 
 

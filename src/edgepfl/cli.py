@@ -20,9 +20,13 @@ def _user_errors(on_interrupt: str):
         def wrapper(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
-            except BrokenPipeError:  # the reader went away (| head): not an error of ours
+            except BrokenPipeError:  # the reader went away (| head): no traceback, no
+                # "error", but the status a pipe's writer gets (141), and for a command cut
+                # off part-way, how to go on
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                sys.exit(0)
+                if on_interrupt:
+                    click.echo(f"output closed; {on_interrupt}", err=True)
+                sys.exit(141)
             except (EdgepflError, OSError) as exc:  # OSError: an unwritable folder, a full disk
                 click.echo(f"error: {exc}", err=True)
                 sys.exit(2)

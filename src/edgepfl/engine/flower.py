@@ -250,14 +250,10 @@ def _state_file(context: Context, cfg: Config, cid: int) -> Path | None:
     return Path(root) / run / f"client-{cid}.safetensors"
 
 
-def _state(context: Context, node: _Node, cid: int, cfg: Config,
-           before: int) -> tuple[int, dict[str, torch.Tensor]]:
-    """What the client kept from its last step before client step ``before``, with that
-    step (0: its initial state): in the node's memory, else (a restarted SuperNode) in its
-    ``state-dir``, else its initial state. A client keeps its last two steps' states, so
-    that a ServerApp resumed from the checkpoint of the round before one its clients had
-    already trained in hands them the state they had then, not the one after (which
-    would train that round twice); a state further ahead is refused."""
+def _versions(context: Context, node: _Node, cid: int, cfg: Config
+              ) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """The client's kept states with the client steps they are from: in the node's memory,
+    else (a restarted SuperNode) in its ``state-dir``, else its initial state (step 0)."""
     versions: list[tuple[int, dict[str, torch.Tensor]]] = []
     if STATE in context.state:
         steps = context.state[STATE_STEPS] if STATE_STEPS in context.state else {}
@@ -274,20 +270,31 @@ def _state(context: Context, node: _Node, cid: int, cfg: Config,
                 versions.append((int(meta.get("round", 0)), tensors))
     if not versions:
         arch = node.parts.architectures[node.parts.federation.arch[cid]]
-        return 0, node.client(cid).init_state(cid, arch.init_model)
-    usable = [(step, t) for step, t in versions if step < before]
+        versions.append((0, node.client(cid).init_state(cid, arch.init_model)))
+    return versions
+
+
+def _before(versions: list[tuple[int, dict[str, torch.Tensor]]], cid: int, before: int
+            ) -> tuple[int, dict[str, torch.Tensor]]:
+    """The newest kept state from a step before client step ``before``. A client keeps
+    two: its last step's, and the one at the last cloud round's end (in a star, the step
+    before), so that a ServerApp resumed from the checkpoint of the round before one its
+    clients had already trained in hands them the state they had then, not the one after
+    (which would train that round twice)."""
+    usable = [v for v in versions if v[0] < before]
     if not usable:
         raise MessageError(
             f"client {cid}'s state is from step {min(s for s, _ in versions)} or later, but "
             f"the server asks for step {before}: the ServerApp resumed from a checkpoint "
-            "older than its clients' last two steps (output.checkpoint_every above 1?)")
+            "older than the round its clients kept (output.checkpoint_every above 1?), or a "
+            "new run found an earlier run's state-dir (give it another out, or the nodes "
+            "another state-dir)")
     return max(usable, key=lambda v: v[0])
 
 
 def _keep(context: Context, cfg: Config, cid: int, step: int, state: dict[str, torch.Tensor],
           prev: tuple[int, dict[str, torch.Tensor]]) -> None:
-    """Keep ``state`` as the client's state after ``step``, and ``prev`` (the state it
-    trained from) beside it."""
+    """Keep ``state`` as the client's state after ``step``, and ``prev`` beside it."""
     def record(tensors):
         return ArrayRecord({k: Array(v.detach().contiguous().numpy()) for k, v in tensors.items()})
 
@@ -334,13 +341,20 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     cfg, cid, node = _client(context)
     rnd = _round(message)
     msg = from_content(message.content)
-    step, state = _state(context, node, cid, cfg, before=rnd)
+    versions = _versions(context, node, cid, cfg)
+    step, state = _before(versions, cid, rnd)
     train = node.split(cid).train
     started = time.perf_counter()
     result = client_step(cfg, node.client(cid), rnd, cid, msg, state, train)
     train_s = time.perf_counter() - started
+    # beside the new state, the one at the last cloud round's end: a resumed ServerApp
+    # goes on from a cloud round's checkpoint (k2 client steps a round in a hierarchy)
+    k2 = cfg.topology.edge_rounds if cfg.topology.edges else 1
+    boundary = (rnd - 1) // k2 * k2
+    prev = (step, state) if step <= boundary else max(
+        (v for v in versions if v[0] <= boundary), key=lambda v: v[0], default=(step, state))
     # entries a client does not return keep their value, as in the simulation's store
-    _keep(context, cfg, cid, rnd, {**state, **result.state}, (step, state))
+    _keep(context, cfg, cid, rnd, {**state, **result.state}, prev)
     content = to_content(result.reply)
     # a NaN loss travels as NaN, so that a diverging client shows, as in the simulation
     stats = {k: float(v) for k, v in result.stats.items()}
@@ -363,8 +377,8 @@ def _evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     if count:
         node.trainer(cid).forget()
         # the state after the round's last client step: (round - 1) * k2 + k2
-        _, state = _state(context, node, cid, cfg,
-                          before=_round(message) * cfg.topology.edge_rounds + 1)
+        k2 = cfg.topology.edge_rounds if cfg.topology.edges else 1
+        _, state = _before(_versions(context, node, cid, cfg), cid, _round(message) * k2 + 1)
         f = evaluate_client(node.client(cid), node.trainer(cid), cid, state,
                             eval_msg, train, test, val)
         figures.update(correct=int(f.correct), loss=float(f.loss))
@@ -643,7 +657,7 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
     parts = Parts.build(cfg, dataset, n, out)
     rounds = Rounds(parts, FlowerTransport(None, {}, timeout, n, parts.federation.parent))
     if resume:
-        load_checkpoint(out / CHECKPOINT, rounds, runtime="flower")
+        load_checkpoint(out / CHECKPOINT, rounds, runtime="flower")  # clients: on the nodes
         log.info("resuming %s after round %d", out, rounds.round)
         name = parts.federation.arch[0]
         if parts.client(name).init_state(0, parts.architectures[name].init_model):

@@ -236,14 +236,19 @@ def save_checkpoint(out: Path, cfg: Config, rounds: Rounds,
     write_tensors(out / CHECKPOINT, tensors, meta)
 
 
-def load_checkpoint(path: Path, rounds: Rounds, runtime: str = "simulation"
-                    ) -> dict[str, torch.Tensor]:
+def load_checkpoint(path: Path, rounds: Rounds, runtime: str = "simulation",
+                    client_state: bool = False) -> dict[str, torch.Tensor]:
     """Put ``rounds`` where the checkpoint at ``path`` left its run, and return the
     checkpoint's tensors (the runtime takes its clients' state from them). A checkpoint
     that is malformed, belongs to another configuration or was written by the other
-    ``runtime`` is refused before a thing is changed."""
+    ``runtime`` is refused before a thing is changed. ``client_state``: the algorithm's
+    clients keep state, so that a checkpoint from before runtimes were named can be told
+    apart (the simulation's holds the clients' state, Flower's none)."""
     tensors, meta = read_tensors(path)
-    written = meta.get("runtime", runtime)  # checkpoints from before 2026-11-28 say none
+    written = meta.get("runtime")
+    if written is None:  # checkpoints from before 2026-11-28 say none
+        held = any(k.startswith("client/") for k in tensors)
+        written = "simulation" if held else "flower" if client_state else runtime
     if written != runtime:
         where = {"simulation": "in the checkpoint", "flower": "on the Flower nodes"}
         raise EdgepflError(

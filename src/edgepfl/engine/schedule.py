@@ -136,8 +136,9 @@ def async_edge_rounds(times: list[float | None], k2: int,
     The cloud period is P = k2 times the median edge's edge-round time t. An edge's
     ``debt`` is the work it still has in hand beyond the periods elapsed (``async_debt``);
     it runs the edge rounds that fit in what is left of the period, to the nearest whole
-    round: round((P - debt) / t). So edges of equal speed, or within a factor 1 +- 1/(2 k2)
-    of it, run k2, as the synchronous schedule does, and a faster one more. An edge with
+    round: round((P - debt) / t). So edges of equal speed run k2, as the synchronous
+    schedule does (and so does one without debt within a factor 1 +- 1/(2 k2) of the
+    median), and a faster one more. An edge with
     debt that earns no round is still busy: it takes no new model, and the cloud aggregates
     the model it last reported, stale. A free edge (no debt) always starts at least one
     round, so an edge too slow for one round in a period starts one that takes several

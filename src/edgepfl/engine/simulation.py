@@ -52,7 +52,7 @@ from edgepfl.engine.workers import WorkerPool, worker_count
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message
 from edgepfl.federation.store import StackedStore, sendable
-from edgepfl.io import read_json, read_tensors, write_json
+from edgepfl.io import read_json, write_json
 from edgepfl.system import FlopMeter, SystemModel, peak_rss_bytes, work_signature
 
 log = logging.getLogger("edgepfl")
@@ -349,15 +349,8 @@ class Simulation:
 
     def load_checkpoint(self, path: Path) -> None:
         self._check_same_data(Path(path).parent / "partition.json")
-        if self.clients.state_dict("client/"):
-            # a checkpoint from before runtimes were named: one without the clients'
-            # state is a Flower run's (its clients keep their own), which cannot go on here
-            stored, meta = read_tensors(path)
-            if "runtime" not in meta and not any(k.startswith("client/") for k in stored):
-                raise EdgepflError(f"{path} holds no client state, but {self.cfg.algorithm.name}"
-                                   "'s clients keep state: it is a Flower run's checkpoint "
-                                   "(resume it with flwr run ... --run-config 'resume=true')")
-        tensors = load_checkpoint(path, self.rounds)
+        tensors = load_checkpoint(path, self.rounds,
+                                  client_state=bool(self.clients.state_dict("client/")))
         self.clients.load_state_dict(tensors, "client/")
 
     def _check_same_data(self, stored_path: Path) -> None:
