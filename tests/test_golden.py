@@ -5,7 +5,9 @@ Floating-point results are bit-exact only on the machine kind they were recorded
 torch build and CPU instruction set). Elsewhere a last-bit difference in a kernel can flip
 one test prediction (an accuracy step of 1/70 on these tiny splits), so floats are not
 compared there; every integer (bytes per client and link, rounds, clients, FLOPs) and
-every key still is.
+every key still is, except that a byte count may move by a few bytes: a message's JSON
+metadata holds floats (DC-PFL's losses), whose printed length moves with their last bits
+(seen on an AVX-512 CPU: 765,939 bytes against 765,940 recorded).
 """
 
 import json
@@ -16,6 +18,7 @@ from tests.golden import CASES, GOLDEN, jsonable, machine, run_case
 
 RECORDED = json.loads(GOLDEN.read_text())
 EXACT = RECORDED["machine"] == machine()
+BYTES_SLACK = 64  # elsewhere: floats printed in messages' metadata (module docstring)
 
 
 def _same(a, b, path=""):
@@ -29,6 +32,8 @@ def _same(a, b, path=""):
             _same(x, y, f"{path}[{i}]")
     elif isinstance(a, float) and not EXACT:
         assert b is None or isinstance(b, float), f"{path}: {a!r} became {b!r}"
+    elif isinstance(a, int) and not EXACT and "bytes" in path:
+        assert isinstance(b, int) and abs(a - b) <= BYTES_SLACK, f"{path}: recorded {a!r}, now {b!r}"
     else:
         assert a == b, f"{path}: recorded {a!r}, now {b!r}"
 

@@ -245,7 +245,7 @@ def load_checkpoint(path: Path, rounds: Rounds, runtime: str = "simulation",
     clients keep state, so that a checkpoint from before runtimes were named can be told
     apart (the simulation's holds the clients' state, Flower's none)."""
     tensors, meta = read_tensors(path)
-    written = meta.get("runtime")
+    written = meta.get("runtime") if isinstance(meta, dict) else runtime  # else: refused below
     if written is None:  # checkpoints from before 2026-11-28 say none
         held = any(k.startswith("client/") for k in tensors)
         written = "simulation" if held else "flower" if client_state else runtime
