@@ -292,6 +292,11 @@ def _before(versions: list[tuple[int, dict[str, torch.Tensor]]], cid: int, befor
     return max(usable, key=lambda v: v[0])
 
 
+def _client_steps(cfg: Config) -> int:
+    """Client steps a round: k2 in a hierarchy, 1 in a star."""
+    return cfg.topology.edge_rounds if cfg.topology.edges else 1
+
+
 def _keep(context: Context, cfg: Config, cid: int, step: int, state: dict[str, torch.Tensor],
           prev: tuple[int, dict[str, torch.Tensor]]) -> None:
     """Keep ``state`` as the client's state after ``step``, and ``prev`` beside it."""
@@ -349,7 +354,7 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     train_s = time.perf_counter() - started
     # beside the new state, the one at the last cloud round's end: a resumed ServerApp
     # goes on from a cloud round's checkpoint (k2 client steps a round in a hierarchy)
-    k2 = cfg.topology.edge_rounds if cfg.topology.edges else 1
+    k2 = _client_steps(cfg)
     boundary = (rnd - 1) // k2 * k2
     prev = (step, state) if step <= boundary else max(
         (v for v in versions if v[0] <= boundary), key=lambda v: v[0], default=(step, state))
@@ -377,8 +382,8 @@ def _evaluate(message: FlowerMessage, context: Context) -> FlowerMessage:
     if count:
         node.trainer(cid).forget()
         # the state after the round's last client step: (round - 1) * k2 + k2
-        k2 = cfg.topology.edge_rounds if cfg.topology.edges else 1
-        _, state = _before(_versions(context, node, cid, cfg), cid, _round(message) * k2 + 1)
+        _, state = _before(_versions(context, node, cid, cfg), cid,
+                           _round(message) * _client_steps(cfg) + 1)
         f = evaluate_client(node.client(cid), node.trainer(cid), cid, state,
                             eval_msg, train, test, val)
         figures.update(correct=int(f.correct), loss=float(f.loss))

@@ -144,13 +144,12 @@ def async_edge_rounds(times: list[float | None], k2: int,
     round, so an edge too slow for one round in a period starts one that takes several
     periods and is busy in those after it, rather than never running again. Before any edge
     has been timed (the first period) every edge runs k2."""
-    known = [t for t in times if t is not None and math.isfinite(t) and t > 0]
-    if len(known) < len(times):
+    period = _period(times, k2)
+    if period is None:
         return [k2] * len(times)
     debt = debt or [0.0] * len(times)
-    period = k2 * float(np.median(known))
     plan = []
-    for t, d in zip(known, debt, strict=True):
+    for t, d in zip(times, debt, strict=True):
         n = max(0, int(math.floor((period - d) / t + 0.5)))
         plan.append(1 if n == 0 and d <= 0 else n)
     return plan
@@ -161,8 +160,15 @@ def async_debt(times: list[float | None], k2: int, plan: list[int],
     """Each edge's work in hand after a cloud period of ``plan``'s edge rounds at the
     ``times`` measured: its debt, plus its rounds' time, less the period (k2 times the
     median time), never below 0 (an edge that finishes early waits; it banks no time)."""
-    known = [t for t in times if t is not None and math.isfinite(t) and t > 0]
-    if len(known) < len(times):
+    period = _period(times, k2)
+    if period is None:
         return list(debt)
-    period = k2 * float(np.median(known))
-    return [max(0.0, d + n * t - period) for t, n, d in zip(known, plan, debt, strict=True)]
+    return [max(0.0, d + n * t - period) for t, n, d in zip(times, plan, debt, strict=True)]
+
+
+def _period(times: list[float | None], k2: int) -> float | None:
+    """The cloud period, k2 times the median edge-round time; None until every edge has a
+    time (positive and finite)."""
+    if not all(t is not None and math.isfinite(t) and t > 0 for t in times):
+        return None
+    return k2 * float(np.median(times))

@@ -139,8 +139,8 @@ def check_runtime(cfg: Config, system: SystemModel | None, flops: bool, counts_f
         if not counts_flops:
             raise ConfigError("faults.drop_rate, faults.straggler_rate and faults.deadline "
                               "inject failures into the simulation; on Flower clients fail "
-                              "for real (faults.min_replies says how many replies a round needs); set them "
-                              "to 0 / none")
+                              "for real (faults.min_replies says how many replies a round "
+                              "needs); set them to 0 / none")
         timed = system is not None and (flops or system.compute_s is not None)
         if (f.straggler_rate or f.deadline is not None) and not timed:
             raise ConfigError("faults.straggler_rate and faults.deadline act on the clients' "
