@@ -17,8 +17,10 @@ from edgepfl.algorithms.dcpfl import (
     group_graph,
     layer_discrepancy,
     layers_due,
+    group_purity,
     low_layers,
     radius_of_curvature,
+    reference_discrepancy,
     rdp_ended,
     refines,
 )
@@ -115,6 +117,10 @@ def test_smoothing_window_cancels_a_loss_pattern_of_its_own_period():
 
 def test_eq6_and_schedule():
     assert low_layers([1.0, 0.05, 2.0, 0.9], 0.1) == [False, True, False, False]
+    # against the model's total (3.95) a layer is low below 0.395: here 0.05 and 0.3
+    assert reference_discrepancy([1.0, 0.05, 2.0, 0.9], "total") == pytest.approx(3.95)
+    assert low_layers([1.0, 0.05, 2.0, 0.3], 0.1, "total") == [False, True, False, True]
+    assert low_layers([1.0, 0.05, 2.0, 0.3], 0.1, "mean") == [False, True, False, False]
     low = [True, False]
     due = [layers_due(r, 10, low, tau=2, alpha=3) for r in range(10, 23)]
     assert [d[1] for d in due] == [r > 10 and (r - 10) % 2 == 0 for r in range(10, 23)]
@@ -133,8 +139,8 @@ def test_groupings_only_split_and_do_split():
 
 def test_unaggregated_layer_costs_no_bytes():
     # low_ratio = 1: layers below the group's mean discrepancy are aggregated every alpha*tau
-    sim = Simulation(fast_config(*QUICK, "algorithm.low_ratio=1.0", "algorithm.s=50",
-                                 "train.rounds=8"), progress=False)
+    sim = Simulation(fast_config(*QUICK, "algorithm.low_ratio=1.0", "algorithm.low_reference=mean",
+                                 "algorithm.s=50", "train.rounds=8"), progress=False)
     layer_bytes = [sum(sim.server.group.tensors[p][0].numel() * 4 for p in sim.layers.params_of(i))
                    for i in range(len(sim.layers))]
     full = sum(layer_bytes)
@@ -349,6 +355,7 @@ def test_tau_counts_local_epochs():
     assert tau_rounds(10, 5) == 2
     # 2 local epochs a round, tau = 2 epochs: high layers every round, low ones every alpha
     sim = Simulation(fast_config(*QUICK, "train.local_epochs=2", "algorithm.low_ratio=1.0",
+                                     "algorithm.low_reference=mean",
                                  "algorithm.s=50", "train.rounds=5"), progress=False)
     srv, nl = sim.server, len(sim.layers)
     assert srv.tau_rounds == 1
@@ -450,3 +457,95 @@ def test_a_rejected_split_is_tried_again_after_t_sp_rounds_with_the_same_proposa
         # t_sp normal rounds with the old grouping, a sync round, then the trial again
         assert modes[first + 1:second] == [NORMAL] * 2 + [SYNC], modes
     assert len(set(sim.server.labels)) == 1  # the old grouping (one group) was kept
+
+
+def _agree_on_first_layer(sim, spread: float, rnd: int):
+    """Overwrite the clients' uploads so that they agree with their group model on layer 0
+    (a 1e-6 relative wobble) and disagree on every other layer (``spread`` relative
+    noise), then run Eq. 5-6 on them."""
+    srv = sim.server
+    gen = torch.Generator().manual_seed(0)
+    for cid in range(sim.num_clients):
+        row = {}
+        for i in range(len(sim.layers)):
+            scale = 1e-6 if i == 0 else spread
+            for name in sim.layers.params_of(i):
+                g = srv.group.tensors[name][cid]
+                noise = torch.randn(g.shape, generator=gen, dtype=torch.float64).to(g.dtype)
+                row[name] = g + scale * g.abs().max() * noise
+        srv.uploads.set_row(cid, row)
+    srv._classify(srv.labels, rnd)
+    return srv
+
+
+@pytest.mark.parametrize("reference", ["total", "mean"])
+def test_a_layer_the_clients_agree_on_is_aggregated_at_the_slow_interval(reference):
+    # the defining mechanism of Sec. IV: a layer whose clients agree with their group model
+    # is low (Eq. 6) and is then aggregated every alpha*tau rounds only, so its bytes are
+    # saved; layers they disagree on stay at every tau rounds. Fails if no layer can be low.
+    sim = Simulation(fast_config(*QUICK, f"algorithm.low_reference={reference}", "algorithm.s=50",
+                                 "algorithm.tau=1", "algorithm.alpha=3", "train.rounds=9"),
+                     progress=False)
+    for _ in range(3):
+        row = sim.step()
+    srv = sim.server
+    assert srv.mode == NORMAL and srv.built
+    _agree_on_first_layer(sim, 0.3, sim.round)
+    for cid in range(sim.num_clients):
+        assert srv.low[cid].tolist() == [True] + [False] * (len(sim.layers) - 1)
+    last = srv.classified[-1]
+    assert last["reference"] == reference
+    assert last["groups"][0]["low"] == [sim.layers.names[0]]
+    assert last["groups"][0]["ratios"][0] < 0.1 <= min(last["groups"][0]["ratios"][1:])
+    srv.phase_start = sim.round
+    asked = []
+    configure = srv.configure
+
+    def recording(rnd, selected):
+        msgs = configure(rnd, selected)
+        asked.append(msgs[0].meta["up"])
+        return msgs
+
+    srv.configure = recording
+    rows = [sim.step() for _ in range(srv.hp.alpha * srv.tau_rounds)]
+    # one group, one low layer: layers_low counts that (group, layer) pair
+    assert [r["layers_low"] for r in rows[:-1]] == [1.0] * (len(rows) - 1)
+    # tau rounds ask for every layer but the first; the alpha*tau round asks for all
+    assert asked[:-1] == [list(range(1, len(sim.layers)))] * (len(asked) - 1)
+    assert asked[-1] == list(range(len(sim.layers)))
+    assert rows[0]["bytes_up"] < rows[-1]["bytes_up"]
+
+
+def test_no_layer_is_low_when_the_clients_disagree_alike_on_every_layer():
+    sim = Simulation(fast_config(*QUICK, "algorithm.s=50", "train.rounds=3"), progress=False)
+    for _ in range(3):
+        sim.step()
+    srv = sim.server
+    gen = torch.Generator().manual_seed(1)
+    for cid in range(sim.num_clients):
+        srv.uploads.set_row(cid, {n: t[cid] + 0.3 * t[cid].abs().max() *
+                                  torch.randn(t[cid].shape, generator=gen, dtype=t.dtype)
+                                  for n, t in srv.group.tensors.items()})
+    srv._classify(srv.labels, sim.round)
+    assert not srv.low.any()
+    assert srv._layers_low() == 0
+
+
+def test_layers_low_is_reported_and_purity_follows_the_primary_classes(tmp_path):
+    history = [(0, 1.0, [0, 0, 0, 0]), (7, 0.8, [0, 0, 1, 1])]
+    counts = [[9, 1, 0], [8, 0, 2], [1, 9, 0], [0, 1, 9]]
+    part = tmp_path / "partition.json"
+    part.write_text(json.dumps({"clients": [{"train_class_counts": c} for c in counts]}))
+    out = group_purity(history, part)
+    assert out[0]["purity"] == 0.5 and out[0]["until_round"] == 7
+    assert out[1]["purity"] == 0.75 and out[1]["until_round"] is None
+    assert out[1]["groups"][1] == {"clients": [2, 3], "primary_classes": [1, 2], "purity": 0.5}
+    assert group_purity(history, tmp_path / "missing.json") is None
+    run = start_run(fast_config(*QUICK, "train.rounds=6"), tmp_path / "run", progress=False)
+    assert all("layers_low" in r for r in run.metrics)
+    groups = json.loads((tmp_path / "run" / "dcpfl_groups.json").read_text())
+    assert groups["purity"][0]["from_round"] == 0 and groups["classifications"]
+    ratios = [r for r in run.metrics if not math.isnan(r.get("layer_disc_ratio_min", math.nan))]
+    assert ratios and all(f"disc_ratio.{n}" in ratios[0] for n in
+                          json.loads((tmp_path / "run" / "partition.json").read_text())
+                          ["layers"]["layers"][0]["name"].split())

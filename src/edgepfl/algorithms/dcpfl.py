@@ -27,7 +27,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -86,7 +86,12 @@ class DCPFLHyperparameters(Hyperparameters):
     alpha: int = Field(3, ge=1, description="interval factor of low-discrepancy layers, aggregated "
                                             "every alpha*tau epochs (paper Sec. V: 3)")
     low_ratio: float = Field(0.1, ge=0, description="a layer is low-discrepancy below this fraction "
-                                                    "of the group's mean discrepancy (Eq. 6: 0.1)")
+                                                    "of the reference discrepancy (Eq. 6: 0.1)")
+    low_reference: Literal["total", "mean"] = Field(
+        "total", description="what Eq. 6 compares a layer's discrepancy against: total = the "
+        "sum over the model's layers (a layer is low when it holds under low_ratio of the "
+        "model's discrepancy); mean = the mean over layers, as Eq. 6 is printed, under which no "
+        "layer of lenet5 or cnn2 is ever low (docs/algorithms.md, 'DC-PFL')")
     fixed_gamma: float | None = Field(None, ge=0, le=1, description=(
         "NoDC ablation (paper Sec. V-D): cut the group graph once at this gamma~ after the "
         "warm-up and never split again (the paper uses 0.8); unset = dynamic clustering"))
@@ -143,10 +148,17 @@ def layer_discrepancy(client_layers: Iterable[torch.Tensor], group_layer: torch.
     return total / n / g.shape[1]
 
 
-def low_layers(disc: list[float], ratio: float) -> list[bool]:
-    """Eq. 6: a layer is low-discrepancy when D_{g,l} < ratio * D_g (D_g: mean over layers)."""
-    mean = sum(disc) / len(disc)
-    return [d < ratio * mean for d in disc]
+def reference_discrepancy(disc: list[float], reference: str = "mean") -> float:
+    """D_g of Eq. 6: the mean of the layers' discrepancies (as printed) or their sum (the
+    model's total, the reading under which layers of small CNNs are ever low)."""
+    total = sum(disc)
+    return total if reference == "total" else total / len(disc)
+
+
+def low_layers(disc: list[float], ratio: float, reference: str = "mean") -> list[bool]:
+    """Eq. 6: a layer is low-discrepancy when D_{g,l} < ratio * D_g."""
+    ref = reference_discrepancy(disc, reference)
+    return [d < ratio * ref for d in disc]
 
 
 def layers_due(rnd: int, phase_start: int, low: list[bool], tau: int, alpha: int) -> list[bool]:
@@ -300,7 +312,7 @@ class DCPFLServer(Server):
     state: ClassVar[tuple[str, ...]] = (
         "uploads", "group", "trial0", "trial1", "disc_sum", "disc_count", "z", "pending", "low",
         "gamma_global", "built", "gamma", "proposal_gamma", "mode", "phase_start", "retry_at",
-        "done", "labels", "proposal", "losses", "history", "trials")
+        "done", "labels", "proposal", "losses", "history", "trials", "classified")
 
     def __init__(self, ctx: ServerContext, hp: DCPFLHyperparameters):
         super().__init__(ctx, hp)
@@ -335,6 +347,8 @@ class DCPFLServer(Server):
         self.losses: list[float] = []        # l(t) since the current grouping began
         self.history: list[tuple[int, float, list[int]]] = [(0, 1.0, list(self.labels))]
         self.trials: list[tuple[int, float, float, float, int]] = []
+        # every Eq. 5-6 classification: round, each group's clients, layer ratios, low layers
+        self.classified: list[dict] = []
         self._metrics: dict[str, float] = {}
         # the layers each client of this round was asked to upload (set by configure)
         self._up: dict[int, list[int]] = {}
@@ -374,29 +388,44 @@ class DCPFLServer(Server):
             for c in members:
                 target.set_row(c, avg)
 
-    def _classify(self, labels: list[int]) -> None:
+    def _classify(self, labels: list[int], rnd: int) -> None:
         """Eq. 5-6 for every group from the clients' latest weights vs. the group model."""
         hp = self.hp
-        ratios = []
+        names = self.ctx.layers.names
+        ratios: list[list[float]] = []
+        groups = []
         for members in self._members(labels).values():
             disc = []
             for i in range(len(self.ctx.layers)):
-                names = self.ctx.layers.params_of(i)
-                w = (torch.cat([self.uploads.tensors[n][c].flatten() for n in names])
+                params = self.ctx.layers.params_of(i)
+                w = (torch.cat([self.uploads.tensors[n][c].flatten() for n in params])
                      for c in members)
-                g = torch.cat([self.group.tensors[n][members[0]].flatten() for n in names])
+                g = torch.cat([self.group.tensors[n][members[0]].flatten() for n in params])
                 disc.append(layer_discrepancy(w, g))
-            low = torch.tensor(low_layers(disc, hp.low_ratio))
+            low = low_layers(disc, hp.low_ratio, hp.low_reference)
             for c in members:
-                self.low[c] = low
-            mean = sum(disc) / len(disc)
-            if mean > 0:  # a one-client group equals its group model: no ratio
-                ratios.append(min(disc) / mean)
-        # how close the layers came to Eq. 6's threshold: a run whose smallest ratio stays
-        # above low_ratio gets no layer-wise saving, and the log shows why
+                self.low[c] = torch.tensor(low)
+            ref = reference_discrepancy(disc, hp.low_reference)
+            if ref > 0:  # a one-client group equals its group model: no ratio
+                ratios.append([d / ref for d in disc])
+                groups.append({"clients": members, "ratios": ratios[-1],
+                               "low": [n for n, lo in zip(names, low, strict=True) if lo]})
+        # how close each layer came to Eq. 6's threshold (D_{g,l} / D_g, the mean over the
+        # groups of two or more): a run whose ratios stay above low_ratio saves nothing, and
+        # the log shows why
         self._metrics["low_layers_mean"] = float(self.low.sum(dim=1, dtype=torch.float64).mean())
         if ratios:
-            self._metrics["layer_disc_ratio_min"] = min(ratios)
+            self._metrics["layer_disc_ratio_min"] = min(min(r) for r in ratios)
+            for i, name in enumerate(names):
+                self._metrics[f"disc_ratio.{name}"] = float(np.mean([r[i] for r in ratios]))
+        self.classified.append({"round": rnd, "reference": hp.low_reference,
+                                "low_ratio": hp.low_ratio, "groups": groups})
+
+    def _layers_low(self) -> int:
+        """(group, layer) pairs aggregated at the slow interval alpha*tau; a one-client group
+        exchanges nothing and counts none."""
+        return sum(int(self.low[members[0]].sum()) for members in self._members(self.labels).values()
+                   if len(members) > 1)
 
     def _discrepancy(self, rnd: int | None = None) -> np.ndarray:
         """The matrix the group graph is built from: the warm-up average of each measured
@@ -512,7 +541,7 @@ class DCPFLServer(Server):
             self._open_trial(replies)
             return
         elif mode == NORMAL and (rnd - self.phase_start) % (hp.alpha * self.tau_rounds) == 0:
-            self._classify(self.labels)  # every layer was just synchronised: re-derive Eq. 6
+            self._classify(self.labels, rnd)  # every layer was just synchronised: Eq. 6 anew
         self._after(rnd)
 
     def _warm_up(self, rnd: int, replies: dict[int, Message]) -> None:
@@ -536,7 +565,7 @@ class DCPFLServer(Server):
                 self.done = True  # NoDC: this grouping is final
                 self.history.append((rnd, self.gamma, list(self.labels)))
             self.phase_start = rnd
-            self._classify(self.labels)
+            self._classify(self.labels, rnd)
             self.mode = NORMAL
 
     def _open_trial(self, replies: dict[int, Message]) -> None:
@@ -585,7 +614,7 @@ class DCPFLServer(Server):
         self._aggregate_groups(self.labels, replies, full, self.group, prefix)
         self.pending[:] = True
         self.phase_start = rnd
-        self._classify(self.labels)
+        self._classify(self.labels, rnd)
         self.mode = NORMAL
         if accept and len(set(self.labels)) == self.ctx.num_clients:
             self.done = True
@@ -607,7 +636,8 @@ class DCPFLServer(Server):
                 "last_period_rounds": [rows[0]["round"], rows[-1]["round"]]}
 
     def round_metrics(self) -> dict[str, float]:
-        return {"groups": float(len(set(self.labels))), "gamma_tilde": self.gamma, **self._metrics}
+        return {"groups": float(len(set(self.labels))), "gamma_tilde": self.gamma,
+                "layers_low": float(self._layers_low()) if self.built else 0.0, **self._metrics}
 
     # -- artifacts ---------------------------------------------------------------------------
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
@@ -622,10 +652,42 @@ class DCPFLServer(Server):
             "groupings": [{"round": r, "gamma_tilde": g, "labels": lab} for r, g, lab in self.history],
             "trials": [{"round": int(t[0]), "gamma_tilde": t[1], "loss_old": t[2], "loss_new": t[3],
                         "accepted": bool(t[4])} for t in self.trials],
+            "classifications": self.classified,
+            "purity": group_purity(self.history, Path(out_dir) / "partition.json"),
         })
         if plots and self.built and self.ctx.num_clients >= 2:
             plot_group_graph(self.z.numpy(), self.gamma_global,
                              [g for _, g, _ in self.history], Path(out_dir) / "dcpfl_group_graph.png")
+
+
+def group_purity(history: list[tuple[int, float, list[int]]], partition: Path) -> list[dict] | None:
+    """For each grouping the run held (from its round to the next grouping's): each group's
+    clients' primary classes (their most frequent training label, from the run's
+    partition.json) and its purity, the share of its clients whose primary class is the
+    group's most common one; ``purity`` is the client-weighted mean over the groups. What a
+    user reads to see whether the clustering found the data's structure; computed after the
+    run from what the engine wrote, never by the server, which does not see labels. None
+    when the run directory has no partition.json."""
+    from edgepfl.io import read_json
+
+    if not partition.is_file():
+        return None
+    counts = [c["train_class_counts"] for c in read_json(partition)["clients"]]
+    primary = [int(np.argmax(c)) if sum(c) else -1 for c in counts]
+    out = []
+    for k, (rnd, gamma, labels) in enumerate(history):
+        groups: dict[int, list[int]] = {}
+        for cid, g in enumerate(labels):
+            groups.setdefault(g, []).append(cid)
+        rows, pure = [], 0
+        for members in groups.values():
+            classes = [primary[c] for c in members]
+            top = max(classes.count(x) for x in set(classes))
+            pure += top
+            rows.append({"clients": members, "primary_classes": classes, "purity": top / len(members)})
+        out.append({"from_round": rnd, "until_round": history[k + 1][0] if k + 1 < len(history) else None,
+                    "gamma_tilde": gamma, "purity": pure / max(1, len(labels)), "groups": rows})
+    return out
 
 
 def plot_group_graph(z: np.ndarray, gamma_global: float, cuts: list[float], path: Path) -> None:

@@ -42,6 +42,35 @@ class CNN2(nn.Module):
         return self.fc3(self.features(x))
 
 
+class LeNet5(nn.Module):
+    """LeNet-5: two 5x5 convolutions (6, 16 channels) and three fully connected layers
+    (120, 84, classifier), 61,706 parameters on 28x28 inputs.
+
+    DC-PFL (Sec. V-A) describes its model as "two convolutional layers and three
+    fully-connected (FC) layers" without sizes; this is the classic network of that shape.
+    The first convolution pads by 2, so a 28x28 image is seen as LeNet's 32x32 input and
+    the first FC layer takes 16 x 5 x 5 features.
+    """
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 6, 5, padding=2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        side = (image_size // 2 - 4) // 2
+        self.fc1 = nn.Linear(16 * side * side, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
+        x = torch.relu(self.fc1(x.flatten(1)))
+        return torch.relu(self.fc2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.features(x))
+
+
 class CNNCifar(nn.Module):
     """The FedAvg paper's CIFAR CNN: two 5x5 convolutions (64 channels), FC 384 and 192."""
 
@@ -119,6 +148,8 @@ ModelFactory = Callable[[int, int, int], nn.Module]
 
 MODELS: dict[str, tuple[ModelFactory, str]] = {
     "cnn2": (CNN2, "KAPC's CNN for 28x28 images: 2 conv 5x5 (32, 64), FC 512, 128, classifier"),
+    "lenet5": (LeNet5, "LeNet-5 (DC-PFL's 2 conv + 3 FC CNN): 2 conv 5x5 (6, 16), FC 120, 84, "
+               "classifier"),
     "cnn_cifar": (CNNCifar, "FedAvg's CIFAR CNN: 2 conv 5x5 (64, 64), FC 384, 192, classifier"),
     "cnn_small": (CNNSmall, "small CNN for 8x8 images (digits, synthetic): 2 conv 3x3, FC 64"),
     "cnn_small_narrow": (CNNSmallNarrow, "cnn_small with FC 32 instead of 64 (shares its convolutions)"),
