@@ -15,13 +15,13 @@ from edgepfl.algorithms.dcpfl import (
     cut,
     discrepancy_matrix,
     group_graph,
+    group_purity,
     layer_discrepancy,
     layers_due,
-    group_purity,
     low_layers,
     radius_of_curvature,
-    reference_discrepancy,
     rdp_ended,
+    reference_discrepancy,
     refines,
 )
 from edgepfl.engine.simulation import Simulation, resume_run, start_run
@@ -487,7 +487,7 @@ def test_a_layer_the_clients_agree_on_is_aggregated_at_the_slow_interval(referen
                                  "algorithm.tau=1", "algorithm.alpha=3", "train.rounds=9"),
                      progress=False)
     for _ in range(3):
-        row = sim.step()
+        sim.step()
     srv = sim.server
     assert srv.mode == NORMAL and srv.built
     _agree_on_first_layer(sim, 0.3, sim.round)

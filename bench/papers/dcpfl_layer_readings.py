@@ -66,7 +66,7 @@ def _measure(self, labels):
                     sums[u] += float(torch.cat([per[n] for n in names]).mean())
             disc = (sums / len(members)).tolist()
             dims = [sum(self.uploads.tensors[n][members[0]].numel() for n in names) for names in groups]
-            model = sum(d * k for d, k in zip(disc, dims)) / sum(dims)
+            model = sum(d * k for d, k in zip(disc, dims, strict=True)) / sum(dims)
             plain = sum(disc) / len(disc)
             RECORDS.append({"round": self.phase_start, "reading": f"{reading}/S-model/model",
                             "size": len(members), "ratios": [d / model for d in disc],
