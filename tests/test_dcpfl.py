@@ -549,3 +549,16 @@ def test_layers_low_is_reported_and_purity_follows_the_primary_classes(tmp_path)
     assert ratios and all(f"disc_ratio.{n}" in ratios[0] for n in
                           json.loads((tmp_path / "run" / "partition.json").read_text())
                           ["layers"]["layers"][0]["name"].split())
+
+
+def test_evaluate_group_is_fedavg_and_local_is_local_in_the_first_round():
+    # round 1 is a warm-up round: every client trains from the same initial model, and the
+    # group is everyone, so the group model is FedAvg's global model and a client's own
+    # trained model is Local's after one round
+    def first(*overrides):
+        return Simulation(fast_config(*overrides), progress=False).step()["acc_mean"]
+
+    assert first(*QUICK) == first("algorithm.name=fedavg", "dataset.fraction=0.4")
+    assert first(*QUICK, "algorithm.evaluate=local") == first("algorithm.name=local",
+                                                              "dataset.fraction=0.4")
+    assert first(*QUICK) != first(*QUICK, "algorithm.evaluate=local")

@@ -92,6 +92,11 @@ class DCPFLHyperparameters(Hyperparameters):
         "sum over the model's layers (a layer is low when it holds under low_ratio of the "
         "model's discrepancy); mean = the mean over layers, as Eq. 6 is printed, under which no "
         "layer of lenet5 or cnn2 is ever low (docs/algorithms.md, 'DC-PFL')")
+    evaluate: Literal["group", "local"] = Field(
+        "group", description="predict with the client's model with the layers its group "
+        "aggregated this round laid over it (the paper's Fig. 3: DC-PFL tracks FedAvg while "
+        "one group holds every client), or (local) with the client's own model after its "
+        "latest local training, before any group average")
     fixed_gamma: float | None = Field(None, ge=0, le=1, description=(
         "NoDC ablation (paper Sec. V-D): cut the group graph once at this gamma~ after the "
         "warm-up and never split again (the paper uses 0.8); unset = dynamic clustering"))
@@ -621,6 +626,8 @@ class DCPFLServer(Server):
         self._metrics["trial_accepted"] = float(accept)
 
     def eval_message(self, cid: int) -> Message | None:
+        if self.hp.evaluate == "local":
+            return None  # the client's own trained weights, as its state holds them
         # what the client will hold once it receives the layers aggregated this round
         return Message(self.group.row(cid, self._layer_names(self.pending[cid],
                                                               bool(self.pending[cid].all()))))
