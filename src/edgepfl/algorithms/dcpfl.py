@@ -11,7 +11,7 @@ Phases of a run (all driven by the server; the client only follows the message's
   never selected together has no measured discrepancy; it is completed from measured
   pairs (``complete_discrepancy``), never taken as 0 ("identical"). Each group aggregates
   its layers every tau local epochs (tau / train.local_epochs rounds), or every alpha*tau
-  epochs when the layer's discrepancy (Eq. 5) is below 0.1 of the group's mean (Eq. 6). A
+  epochs when the layer's discrepancy (Eq. 5) is below 0.1 of the model's total (Eq. 6). A
   client uploads and downloads only the layers aggregated that round.
 * the server smooths the mean pre-training loss, estimates the radius of curvature
   (Eq. 4) and, once it has not decreased for t_obv rounds, proposes the grouping one step
