@@ -51,6 +51,7 @@ SCHEME_ARGS = {
     "dirichlet": {"alpha": 0.3, "min_size": 10},
     "pathological": {"classes_per_client": 2},
     "primary_secondary": {},
+    "hierarchical": {"alpha": 1.0, "edge_alpha": 0.3, "min_size": 10, "edges": 3},
 }
 # the schemes drawn from labels; natural takes the clients the data names (tested below)
 LABEL_SCHEMES = [s for s in SCHEMES if s != "natural"]

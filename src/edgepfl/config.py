@@ -104,11 +104,18 @@ def parse_aspect_ratio(text: Any) -> tuple[int, int]:
 
 class PartitionConfig(_Section):
     scheme: str = Field("dirichlet", description="iid, dirichlet, pathological, "
-                        "primary_secondary, natural (each sample's client from the data)")
+                        "primary_secondary, hierarchical (a class mix per edge, topology.edges "
+                        "of them, and each client's drawn around its edge's), natural (each "
+                        "sample's client from the data)")
     clients: int = Field(10, ge=1, description="number of clients (natural: the number of "
                          "clients in the data)")
-    alpha: float = Field(0.3, gt=0, description="Dirichlet concentration (smaller = more skewed)")
-    min_size: int = Field(10, ge=1, description="Dirichlet: minimum train samples per client")
+    alpha: float = Field(0.3, gt=0, description="Dirichlet concentration (smaller = more "
+                         "skewed); hierarchical: a client's mix ~ Dir(alpha x its edge's mix), "
+                         "so smaller = clients further from their edge")
+    edge_alpha: float = Field(0.3, gt=0, description="hierarchical: each edge's class mix ~ "
+                              "Dir(edge_alpha) (smaller = edges more different)")
+    min_size: int = Field(10, ge=1, description="dirichlet, hierarchical: minimum train samples "
+                          "per client")
     classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
 
 
@@ -123,9 +130,14 @@ class ModelConfig(_Section):
 class TopologyConfig(_Section):
     edges: int = Field(0, ge=0, description="edge servers between clients and the cloud "
                        "(0 = star: clients talk to the server directly)")
-    assignment: Literal["random", "contiguous", "explicit"] = Field(
-        "random", description="clients to edges: random (seeded, sizes differ by at most 1), "
-        "contiguous (clients 0..n/K-1 on edge 0, ...), explicit (topology.parents)")
+    assignment: Literal["random", "contiguous", "explicit", "partition", "similar"] | None = Field(
+        None, description="clients to edges: random (seeded, sizes differ by at most 1), "
+        "contiguous (clients 0..n/K-1 on edge 0, ...), explicit (topology.parents), partition "
+        "(each client under the edge its data was drawn for: partition.scheme = hierarchical "
+        "only), similar (clients of close label histograms together: seeded balanced k-means, "
+        "sizes differ by at most 1, any scheme); None = partition under partition.scheme = "
+        "hierarchical, else random. With the hierarchical scheme another assignment is allowed: "
+        "the same data under edges that do not follow it, a control")
     parents: list[int] = Field(default_factory=list, description="explicit: each client's edge")
     edge_rounds: int = Field(1, ge=1, description="k2: edge aggregations per cloud round "
                              "(local epochs per edge round stay train.local_epochs, k1)")

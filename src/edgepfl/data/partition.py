@@ -31,6 +31,10 @@ SCHEMES: dict[str, str] = {
     "evenly among the clients that hold it",
     "primary_secondary": "DC-PFL: equal sizes; a primary class with 40-60% of a client's data, "
     "a secondary with 20-40%, the rest spread over the other classes",
+    "hierarchical": "edges that differ: each of topology.edges edges draws a class mix ~ "
+    "Dir(edge_alpha), each of its clients (spread over the edges as evenly as possible, "
+    "consecutive ids) a mix ~ Dir(alpha x its edge's mix); each class is then cut over the "
+    "clients in proportion to their mixes, as dirichlet cuts it (sizes vary)",
     "natural": "each sample's client from the data (npz 'client' array, hf dataset.client_column, "
     "image folders <client>/<class>/), as FEMNIST-style data sets come; partition.clients = the "
     "number of clients in the data",
@@ -51,6 +55,7 @@ class Partition:
     test: list[torch.Tensor]
     num_classes: int
     scheme: str
+    edges: tuple[int, ...] | None = None  # hierarchical: each client's edge in the split
 
     @property
     def num_clients(self) -> int:
@@ -67,7 +72,7 @@ class Partition:
     def to_json(self, y_train: torch.Tensor, y_test: torch.Tensor) -> dict[str, Any]:
         """A summary for reports and run directories (sizes and label counts, no indices)."""
         train_counts, test_counts = self.class_counts(y_train, y_test)
-        return {
+        out = {
             "scheme": self.scheme,
             "num_clients": self.num_clients,
             "num_classes": self.num_classes,
@@ -81,6 +86,11 @@ class Partition:
                 for i in range(self.num_clients)
             ],
         }
+        if self.edges is not None:  # the edge each client's data was drawn for
+            out["edges"] = max(self.edges) + 1
+            for row, edge in zip(out["clients"], self.edges, strict=True):
+                row["edge"] = edge
+        return out
 
 
 def make_partition(
@@ -95,11 +105,14 @@ def make_partition(
     classes_per_client: int = 2,
     train_clients: torch.Tensor | None = None,
     test_clients: torch.Tensor | None = None,
+    edges: int = 0,
+    edge_alpha: float = 0.3,
 ) -> Partition:
     """Split train and test labels over ``clients`` clients with the named scheme.
 
     Only the parameters the scheme uses are checked (``alpha`` and ``min_size`` for
-    dirichlet, ``classes_per_client`` for pathological, ``train_clients`` for natural:
+    dirichlet, the same and ``edges``, ``edge_alpha`` for hierarchical,
+    ``classes_per_client`` for pathological, ``train_clients`` for natural:
     each training sample's client in ``0..clients-1``). A natural split's test samples go
     to the clients ``test_clients`` names; without them, as in every other scheme, each
     client gets the share of each class's test samples it has of its training samples.
@@ -114,8 +127,14 @@ def make_partition(
     train_ss, test_ss = np.random.SeedSequence([int(seed) % 2**64, _SEED_TAG]).spawn(2)
     rng = np.random.default_rng(train_ss)
     totals = np.bincount(ytr, minlength=num_classes)
-    owner, counts = _train_owners(scheme, ytr, totals, clients, rng, alpha, min_size,
-                                  classes_per_client, train_clients)
+    edge_of = None
+    if scheme == "hierarchical":
+        edge_of = _edge_of(clients, edges)
+        counts = _hierarchical(totals, edge_of, rng, alpha, edge_alpha, min_size)
+        owner = _assign(ytr, counts, rng)
+    else:
+        owner, counts = _train_owners(scheme, ytr, totals, clients, rng, alpha, min_size,
+                                      classes_per_client, train_clients)
     empty = np.flatnonzero(counts.sum(1) == 0)
     if empty.size and scheme == "natural":
         raise DataError(
@@ -138,6 +157,7 @@ def make_partition(
         test=_split(test_owner, clients),
         num_classes=num_classes,
         scheme=scheme,
+        edges=None if edge_of is None else tuple(int(e) for e in edge_of),
     )
 
 
@@ -201,9 +221,11 @@ def _owners(ids: Any, n: int, clients: int, split: str) -> np.ndarray:
     return arr
 
 
-def partition_of(cfg: PartitionConfig, dataset: Dataset, seed: int) -> Partition:
+def partition_of(cfg: PartitionConfig, dataset: Dataset, seed: int,
+                 edges: int = 0) -> Partition:
     """The partition a run's ``partition`` settings give ``dataset`` (every runtime splits
-    it this way). A natural split needs ``partition.clients`` to be the number of clients
+    it this way); ``edges``, ``topology.edges``, is read by the hierarchical scheme only. A
+    natural split needs ``partition.clients`` to be the number of clients
     the data names: the settings stay the whole description of the federation (the system
     model, topology and algorithms read that number before any data is loaded)."""
     natural = cfg.scheme == "natural"
@@ -225,7 +247,8 @@ def partition_of(cfg: PartitionConfig, dataset: Dataset, seed: int) -> Partition
         dataset.y_train, dataset.y_test, dataset.num_classes, cfg.scheme, cfg.clients, seed,
         alpha=cfg.alpha, min_size=cfg.min_size, classes_per_client=cfg.classes_per_client,
         train_clients=dataset.client_train if natural else None,
-        test_clients=dataset.client_test if natural else None)
+        test_clients=dataset.client_test if natural else None,
+        edges=edges, edge_alpha=cfg.edge_alpha)
 
 
 def _check_clients(clients: Any, n: int) -> int:
@@ -317,30 +340,45 @@ def _largest_remainder(
 # --------------------------------------------------------------------------- schemes
 
 
-def _dirichlet(
-    totals: np.ndarray, clients: int, rng: np.random.Generator, alpha: float, min_size: int
-) -> np.ndarray:
+def _check_alpha(alpha: Any, key: str = "partition.alpha") -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, int | float | np.number):
-        raise ConfigError(f"partition.alpha must be a number > 0, got {alpha!r}")
+        raise ConfigError(f"{key} must be a number > 0, got {alpha!r}")
     if not (0.0 < float(alpha) < math.inf):  # the comparison also rejects NaN
-        raise ConfigError(f"partition.alpha must be > 0 (and finite), got {alpha}")
+        raise ConfigError(f"{key} must be > 0 (and finite), got {alpha}")
+    return float(alpha)
+
+
+def _check_min_size(min_size: Any, clients: int, totals: np.ndarray, scheme: str) -> int:
     if isinstance(min_size, bool) or not isinstance(min_size, int | np.integer) or min_size < 0:
         raise ConfigError(f"partition.min_size must be an integer >= 0, got {min_size!r}")
     n = int(totals.sum())
     need = max(int(min_size), 1)  # a client without data cannot train
     if need * clients > n:
         raise DataError(
-            f"dirichlet: {clients} clients x min_size {need} = {need * clients} train samples "
+            f"{scheme}: {clients} clients x min_size {need} = {need * clients} train samples "
             f"needed but the data has {n}; lower partition.min_size or partition.clients"
         )
+    return need
+
+
+def _cut(props: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """The [N, C] counts of cutting each class c at the cumulative proportions
+    ``props[c]`` over the clients: floor keeps cuts monotone, and the last cut is the
+    class size so every sample is used."""
+    cuts = np.minimum(np.floor(np.cumsum(props, axis=1) * totals[:, None]), totals[:, None])
+    cuts[:, -1] = totals
+    return np.diff(cuts.astype(np.int64), axis=1, prepend=0).T
+
+
+def _dirichlet(
+    totals: np.ndarray, clients: int, rng: np.random.Generator, alpha: float, min_size: int
+) -> np.ndarray:
+    alpha = _check_alpha(alpha)
+    need = _check_min_size(min_size, clients, totals, "dirichlet")
     smallest = 0
     for _ in range(DIRICHLET_MAX_DRAWS):
         props = rng.dirichlet(np.full(clients, float(alpha)), size=totals.size)  # [C, N]
-        # Cut each class at its cumulative proportions: floor keeps cuts monotone, and
-        # the last cut is the class size so every sample is used.
-        cuts = np.minimum(np.floor(np.cumsum(props, axis=1) * totals[:, None]), totals[:, None])
-        cuts[:, -1] = totals
-        counts = np.diff(cuts.astype(np.int64), axis=1, prepend=0).T  # [N, C]
+        counts = _cut(props, totals)  # [N, C]
         sizes = counts.sum(1)
         if sizes.min() >= need:
             return counts
@@ -350,6 +388,56 @@ def _dirichlet(
         f"{clients} clients at least min_size={need} train samples (best smallest client: "
         f"{smallest}); lower partition.min_size or partition.clients, or raise partition.alpha"
     )
+
+
+def _edge_of(clients: int, edges: Any) -> np.ndarray:
+    """Each client's edge in a hierarchical split: as even as possible, consecutive ids (the
+    sizes of topology.assignment = contiguous)."""
+    if isinstance(edges, bool) or not isinstance(edges, int | np.integer) \
+            or not 1 <= edges <= clients:
+        raise ConfigError(
+            f"partition.scheme = 'hierarchical' draws a class mix per edge server, so it needs "
+            f"topology.edges between 1 and partition.clients ({clients}); got topology.edges = "
+            f"{edges!r}{' (a star)' if edges == 0 else ''}. Set topology.edges, or choose a "
+            f"scheme without edges: {', '.join(s for s in SCHEMES if s != 'hierarchical')}")
+    return np.arange(clients) * int(edges) // clients
+
+
+# the smallest concentration a client's Dir(alpha x edge mix) gets: an edge's mix can hold
+# classes at 1e-30, which numpy's sampler refuses at 0 and turns to NaN near it
+MIN_CONCENTRATION = 1e-6
+
+
+def _hierarchical(totals: np.ndarray, edge_of: np.ndarray, rng: np.random.Generator,
+                  alpha: float, edge_alpha: float, min_size: int) -> np.ndarray:
+    """Edge k's class mix pi_k ~ Dir(edge_alpha), client i's q_i ~ Dir(alpha pi_k(i)); class c
+    cut over the clients in proportion to q_ic (dirichlet's cut, so every sample is used
+    and sizes vary as there). Redrawn, up to DIRICHLET_MAX_DRAWS times, until every client
+    has min_size samples."""
+    alpha = _check_alpha(alpha)
+    edge_alpha = _check_alpha(edge_alpha, "partition.edge_alpha")
+    clients, num_classes = edge_of.size, totals.size
+    need = _check_min_size(min_size, clients, totals, "hierarchical")
+    edges = int(edge_of.max()) + 1
+    smallest = 0
+    for _ in range(DIRICHLET_MAX_DRAWS):
+        mix = rng.dirichlet(np.full(num_classes, edge_alpha), size=edges)  # [K, C]
+        conc = np.maximum(alpha * mix[edge_of], MIN_CONCENTRATION)  # [N, C]
+        q = np.stack([rng.dirichlet(row) for row in conc])  # [N, C]
+        q = np.nan_to_num(q, nan=0.0)
+        mass = q.sum(0)  # [C]: a class no client wants is spread evenly
+        props = np.where(mass[None, :] > 0, q / np.where(mass > 0, mass, 1.0)[None, :],
+                         1.0 / clients).T  # [C, N]
+        counts = _cut(props, totals)
+        sizes = counts.sum(1)
+        if sizes.min() >= need:
+            return counts
+        smallest = max(smallest, int(sizes.min()))
+    raise DataError(
+        f"hierarchical: in {DIRICHLET_MAX_DRAWS} draws with alpha={alpha}, edge_alpha="
+        f"{edge_alpha} no split gave all {clients} clients at least min_size={need} train "
+        f"samples (best smallest client: {smallest}); lower partition.min_size or "
+        f"partition.clients, or raise partition.alpha")
 
 
 def _pathological(totals: np.ndarray, clients: int, rng: np.random.Generator, k: int) -> np.ndarray:

@@ -33,7 +33,7 @@ from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import ParamIndex
 from edgepfl.federation.rng import derive_seed
 from edgepfl.federation.store import MEMORY, Stacks
-from edgepfl.federation.topology import Federation
+from edgepfl.federation.topology import Federation, default_assignment
 from edgepfl.models import DEFAULT_MODEL, MODELS, LayerSpec, build_model, zoo
 from edgepfl.plugins import load_plugins
 from edgepfl.privacy import check_privacy, make_trainer
@@ -59,6 +59,8 @@ def resolve(cfg: Config) -> Config:
             raise ConfigError(f"model.tiers.{tier} = {name!r} is not a known model; valid: "
                               f"{', '.join(MODELS)}")
     data["algorithm"] = {"name": algo.name, **hp.model_dump()}
+    if data["topology"]["assignment"] is None:
+        data["topology"]["assignment"] = default_assignment(cfg.partition.scheme)
     return build_config(data)
 
 
@@ -66,7 +68,7 @@ def load_federation(cfg: Config, dataset: Dataset | None = None,
                     partition: Partition | None = None) -> tuple[Dataset, Partition]:
     """The run's data set and its seeded split over the clients (either may be given)."""
     dataset = dataset or dataset_of(cfg.dataset, cfg.seed)
-    partition = partition or partition_of(cfg.partition, dataset, cfg.seed)
+    partition = partition or partition_of(cfg.partition, dataset, cfg.seed, cfg.topology.edges)
     return dataset, partition
 
 
@@ -181,14 +183,24 @@ class Parts:
 
     @classmethod
     def build(cls, cfg: Config, dataset: Dataset, num_clients: int | None = None,
-              out_dir: Path | None = None) -> Parts:
+              out_dir: Path | None = None, partition: Partition | None = None) -> Parts:
         """``cfg`` resolved. Each architecture's initial model is drawn from the run's seed
         (``model.name``'s from the seed alone, as every run has); a parameter that
         architectures share starts from one value, the first architecture's. ``out_dir``,
-        the run directory, is where ``train.store = "disk"`` maps its files by default."""
+        the run directory, is where ``train.store = "disk"`` maps its files by default.
+        ``partition``, the run's split, is read by edge assignments that follow the data
+        (topology.assignment = partition, similar); drawn again from the seed if not given."""
         algorithm = get_algorithm(cfg.algorithm.name)
         hp = algorithm.parse_hyperparameters(cfg.algorithm.hyperparameters())
-        federation = Federation.build(cfg, num_clients or cfg.partition.clients)
+        split_edges, histograms = None, None
+        if cfg.topology.edges and (cfg.topology.assignment or default_assignment(
+                cfg.partition.scheme)) in ("partition", "similar"):
+            partition = partition or partition_of(cfg.partition, dataset, cfg.seed,
+                                                  cfg.topology.edges)
+            split_edges = partition.edges
+            histograms = partition.class_counts(dataset.y_train, dataset.y_test)[0]
+        federation = Federation.build(cfg, num_clients or cfg.partition.clients, split_edges,
+                                      histograms)
         _check_algorithm(algorithm, federation)
         crops = image_crops(cfg, dataset)
         native = dataset.sizes if dataset.variable_size else None

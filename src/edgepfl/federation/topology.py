@@ -10,6 +10,7 @@ before hierarchies and tiers existed: nothing here draws randomness in that case
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,10 +47,18 @@ def assign_tiers(tiers: list[DeviceTier], num_clients: int, seed: int) -> list[D
     return [labels[i] for i in np.argsort(order)]
 
 
+def default_assignment(scheme: str) -> str:
+    """``topology.assignment`` when unset: the split's own edges for a hierarchical split."""
+    return "partition" if scheme == "hierarchical" else "random"
+
+
 def assign_edges(num_clients: int, edges: int, assignment: str, seed: int,
-                 parents: list[int] | None = None) -> list[int]:
+                 parents: list[int] | None = None, split_edges: Sequence[int] | None = None,
+                 histograms: np.ndarray | None = None) -> list[int]:
     """Each client's edge server (``CLOUD`` for all in a star), checked: every edge has a
-    client and no client names an edge that does not exist."""
+    client and no client names an edge that does not exist. ``split_edges``: each client's
+    edge in a hierarchical partition (``partition``); ``histograms``: the [N, C] train label
+    counts (``similar``)."""
     if edges == 0:
         if parents:
             raise ConfigError("topology.parents is set but topology.edges = 0 (a star has no "
@@ -66,6 +75,24 @@ def assign_edges(num_clients: int, edges: int, assignment: str, seed: int,
         if bad:
             raise ConfigError(f"topology.parents holds {sorted(set(bad))}; edges are 0..{edges - 1}")
         out = list(parents)
+    elif assignment == "partition":
+        if parents:
+            raise ConfigError("topology.parents applies only to topology.assignment = 'explicit', "
+                              "not 'partition'")
+        if split_edges is None or len(split_edges) != num_clients:
+            raise ConfigError("topology.assignment = 'partition' puts each client under the edge "
+                              "its data was drawn for, which only partition.scheme = "
+                              "'hierarchical' draws; use it with that scheme, or another "
+                              "assignment: similar, random, contiguous, explicit")
+        out = [int(k) for k in split_edges]
+    elif assignment == "similar":
+        if parents:
+            raise ConfigError("topology.parents applies only to topology.assignment = 'explicit', "
+                              "not 'similar'")
+        if histograms is None or len(histograms) != num_clients:
+            raise ConfigError("topology.assignment = 'similar' groups clients by their label "
+                              "histograms, which this federation was not given")
+        out = similar_groups(histograms, edges, derive_seed(seed, "topology", "similar"))
     else:
         if parents:
             raise ConfigError(f"topology.parents applies only to topology.assignment = 'explicit', "
@@ -80,6 +107,51 @@ def assign_edges(num_clients: int, edges: int, assignment: str, seed: int,
         raise ConfigError(f"edges {empty} have no clients; every edge of topology.edges = {edges} "
                           "needs at least one")
     return out
+
+
+def _sizes(n: int, k: int) -> np.ndarray:
+    """k group sizes of n clients differing by at most one (contiguous's)."""
+    return np.bincount(np.arange(n) * k // n, minlength=k)
+
+
+SIMILAR_ITERS = 50
+
+
+def similar_groups(histograms: np.ndarray, k: int, seed: int) -> list[int]:
+    """Clients grouped into ``k`` groups of sizes differing by at most one, clients of close
+    normalised label histograms together: balanced k-means. Centres start at a seeded
+    k-means++ draw; each pass assigns the (client, centre) pairs in increasing squared
+    distance, a client to the first centre with room, then moves each centre to its
+    clients' mean, until the groups stop changing. Deterministic given ``seed``."""
+    counts = np.asarray(histograms, dtype=np.float64)
+    n = counts.shape[0]
+    totals = counts.sum(1, keepdims=True)
+    p = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+    rng = np.random.default_rng(seed)
+    centres = [p[int(rng.integers(n))]]
+    for _ in range(1, k):  # k-means++: the next centre far from those chosen
+        d = np.min([((p - c) ** 2).sum(1) for c in centres], axis=0)
+        total = d.sum()
+        pick = int(rng.choice(n, p=d / total)) if total > 0 else int(rng.integers(n))
+        centres.append(p[pick])
+    centre = np.stack(centres)
+    room = _sizes(n, k)
+    group = np.full(n, -1, dtype=np.int64)
+    for _ in range(SIMILAR_ITERS):
+        dist = ((p[:, None, :] - centre[None, :, :]) ** 2).sum(2)  # [n, k]
+        order = np.argsort(dist, axis=None, kind="stable")
+        new = np.full(n, -1, dtype=np.int64)
+        left = room.copy()
+        for flat in order:
+            i, j = divmod(int(flat), k)
+            if new[i] < 0 and left[j] > 0:
+                new[i] = j
+                left[j] -= 1
+        if np.array_equal(new, group):
+            break
+        group = new
+        centre = np.stack([p[group == j].mean(0) for j in range(k)])
+    return [int(g) for g in group]
 
 
 @dataclass(frozen=True)
@@ -132,9 +204,20 @@ class Federation:
                             for c in range(self.num_clients)]}
 
     @classmethod
-    def build(cls, cfg: Config, num_clients: int) -> Federation:
-        """``cfg`` resolved (``model.name`` filled in)."""
+    def build(cls, cfg: Config, num_clients: int, split_edges: Sequence[int] | None = None,
+              histograms: np.ndarray | None = None) -> Federation:
+        """``cfg`` resolved (``model.name`` filled in). ``split_edges`` and ``histograms``:
+        a hierarchical partition's edge per client and the clients' [N, C] train label
+        counts, which topology.assignment = partition and similar read."""
         system, model, topo = cfg.system, cfg.model, cfg.topology
+        assignment = topo.assignment or default_assignment(cfg.partition.scheme)
+        if assignment == "partition" and cfg.partition.scheme != "hierarchical":
+            raise ConfigError(f"topology.assignment = 'partition' puts each client under the edge "
+                              f"its data was drawn for, which only partition.scheme = "
+                              f"'hierarchical' draws; partition.scheme = "
+                              f"{cfg.partition.scheme!r} draws no edges: use "
+                              f"topology.assignment = 'similar' (edges of clients with close "
+                              f"label histograms), random, contiguous or explicit")
         if topo.edges == 0:  # what only a hierarchy reads is an error in a star, not a no-op
             defaults = type(system).model_fields
             for key in ("backhaul_mbps", "edge_flops"):
@@ -157,7 +240,8 @@ class Federation:
             if unknown:
                 raise ConfigError(f"model.tiers names tiers {unknown}; system.tiers has {names}")
         arch = tuple(model.tiers.get(t, model.name) if t is not None else model.name for t in tier)
-        parent = assign_edges(num_clients, topo.edges, topo.assignment, cfg.seed, topo.parents)
+        parent = assign_edges(num_clients, topo.edges, assignment, cfg.seed, topo.parents,
+                              split_edges, histograms)
         if topo.edge_rounds > 1 and topo.edges == 0:
             raise ConfigError(f"topology.edge_rounds = {topo.edge_rounds} needs edge servers; "
                               "set topology.edges >= 1 (0 = star, where it must be 1)")

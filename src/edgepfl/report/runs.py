@@ -192,9 +192,10 @@ def federation_of(cfg: Config) -> dict:
         _federation.clear()
         _federation.update(key=data_key, partitions={}, dataset=dataset_of(d, cfg.seed))
     dataset, partitions = _federation["dataset"], _federation["partitions"]
-    part_key = tuple(sorted(p.model_dump().items()))
+    # a hierarchical split draws a class mix per edge: topology.edges is part of it
+    part_key = (tuple(sorted(p.model_dump().items())), cfg.topology.edges)
     if part_key not in partitions:
-        partitions[part_key] = partition_of(p, dataset, cfg.seed)
+        partitions[part_key] = partition_of(p, dataset, cfg.seed, cfg.topology.edges)
     return {"dataset": dataset, "partition": partitions[part_key]}
 
 
