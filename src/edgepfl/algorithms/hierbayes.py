@@ -67,7 +67,7 @@ from edgepfl.algorithms.base import (
     model_to_state,
 )
 from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import STALENESS, check_model_reply, staleness
+from edgepfl.algorithms.kit import STALENESS, check_model_reply, num_samples, staleness
 from edgepfl.algorithms.pulls import AdamDirection
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
@@ -98,8 +98,10 @@ class HierBayesHyperparameters(Hyperparameters):
         "tensor's initial mean square (a zero-initialised tensor takes the model's): "
         "b_p / a_p = prior_scale * mean(w_init^2), i.e. 1 / E[1/sigma^2] under the prior")
     prior_strength: float = Field(
-        1.0, gt=0, description="a_p: pseudo-observations behind the prior variance (per "
-        "tensor with variance = layer, where the evidence is its coordinates x models)")
+        0.01, gt=0, description="a_p: pseudo-observations behind the prior variance (per "
+        "tensor with variance = layer, where the evidence is its coordinates x models); small, "
+        "so that the prior is a weak regulariser and the models' spread sets the precisions "
+        "(at 1, the prior still held small tensors, biases, and through them the edge level)")
     psi_prior_var: float = Field(1e4, gt=0, description="p(psi) = N(0, psi_prior_var): "
                                  "effectively flat by default (a unit variance shrinks the "
                                  "global mean towards 0 by 20% a round on small federations)")
@@ -142,6 +144,20 @@ class HierBayesHyperparameters(Hyperparameters):
     client_init: Literal["edge", "local"] = Field(
         "edge", description="where a client's m_i starts each round: the edge mean m_k, or its "
         "own last m_i (Algorithm 2, step 7 allows both)")
+    precision_start: Literal["data", "prior"] = Field(
+        "data", description="data (empirical Bayes): a level's variance is unknown until it has "
+        "seen its children, so the first fits run without a pull (E[1/sigma^2] = 0, the "
+        "maximum-likelihood start) and every precision after is Eq. 25 / 28's update from the "
+        "spread of the models the level sees, the IG prior one pseudo-observation per tensor "
+        "against its coordinates x models; prior: every level starts at the prior's mean "
+        "precision 1 / (prior_scale x mean square), from which the variational updates barely "
+        "move (a 100x prior_scale gave a ~100x lower learned precision: docs/algorithms.md)")
+    weighting: Literal["equal", "samples"] = Field(
+        "equal", description="how an edge's clients (and the cloud's edges) enter the spread and "
+        "mean of Eq. 25 (Eq. 28): equal, one observation each, as the equations' sums over i "
+        "(over k) of log p(theta_i | phi_k) have it (the hierarchy models clients, not samples); "
+        "samples, weighted by training samples (HierFAVG's weighting; the count of observations "
+        "stays the number of clients, of edges)")
 
 
 # -- the closed-form blocks (pure functions of per-coordinate tensors) ---------------------
@@ -243,12 +259,15 @@ def _broadcast(name: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tens
 def edge_update(uploads: torch.Tensor, size: float, eps: float | torch.Tensor, m0: torch.Tensor,
                 lam_e: torch.Tensor, a: float | torch.Tensor, b: torch.Tensor, a_p: float,
                 b_p: float | torch.Tensor, iters: int, layout: Layout | None = None,
+                weights: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor, torch.Tensor]:
     """Eq. 25: q(phi_k) and q(sigma_ck^2) from the uploaded client means (rows of
     ``uploads``) standing for the edge's ``size`` clients, whose posterior variances are
-    ``eps ** 2`` (a number, or the clients' mean per coordinate). Returns (m_k, v_k, a_k, b_k)."""
+    ``eps ** 2`` (a number, or the clients' mean per coordinate). ``weights`` (``weighting =
+    "samples"``) weight each client's term, the count staying ``size``; ``b`` infinite starts
+    the sweeps without a pull (``precision_start = "data"``). Returns (m_k, v_k, a_k, b_k)."""
     pool, dim = (layout.pool, layout.dim) if layout is not None else ((lambda x: x), 1.0)
-    centre, spread = _moments(uploads)
+    centre, spread = _moments(uploads, weights)
     spread = spread + eps ** 2
     for _ in range(iters):
         m, v = gaussian_block(centre, size, a / b, m0, lam_e)
@@ -382,7 +401,7 @@ class _Level:
 
 # -- the three parts -------------------------------------------------------------------------
 class HierBayesCloud(_Level, Server):
-    state = ("m0", "v0", "a_e", "b_e", "var_c", "round")
+    state = ("m0", "v0", "a_e", "b_e", "var_c", "round", "client_precision")
 
     def __init__(self, ctx: ServerContext, hp: HierBayesHyperparameters):
         super().__init__(ctx, hp)
@@ -398,11 +417,13 @@ class HierBayesCloud(_Level, Server):
         self.m0, self.v0, self.a_e, self.b_e = self._prior()
         self.var_c = self.v0.clone()
         self.round = 0
+        self.client_precision = float("nan")  # none learned before the edges report
         self.single = _one_edge(ctx)
 
     def edge_level(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(E[1/sigma_e^2], E[sigma_e^2]); with one edge the flat prior and no spread."""
-        if self.single:
+        """(E[1/sigma_e^2], E[sigma_e^2]); with one edge, or before any edge has reported
+        under precision_start = data, the flat prior and no spread."""
+        if self.single or (self.hp.precision_start == "data" and self.round == 0):
             return torch.full_like(self.m0, 1.0 / self.hp.psi_prior_var), torch.zeros_like(self.m0)
         return self.a_e / self.b_e, expected_var(self.a_e, self.b_e)
 
@@ -412,19 +433,25 @@ class HierBayesCloud(_Level, Server):
         return {k: msg for k in edges}
 
     def aggregate(self, rnd: int, reports: dict[int, Message]) -> None:
+        vague = self.hp.precision_start == "data" and self.round == 0
         self.round = rnd
         if not reports:
             return
         hp = self.hp
         joint = _joint(hp, self.ctx)
         first, second = (YBAR, MEAS) if joint else (MEAN, VAR)
-        firsts, seconds, var_c, ages = [], [], [], []
+        firsts, seconds, var_c, ages, sizes = [], [], [], [], []
         for k, report in reports.items():
             ages.append(staleness(k, report))
+            if hp.weighting == "samples":
+                sizes.append(float(num_samples(k, report)))
             firsts.append(self.layout.read(report, first))
             seconds.append(self.layout.read(report, second))
             var_c.append(self.layout.read(report, PRIOR))
         self.var_c = torch.stack(var_c).mean(0)
+        # what the edges learned: 1 / E[sigma_ck^2], median over edges and tensors
+        self.client_precision = float(torch.stack(
+            [self.layout.tensor_means(1.0 / v) for v in var_c]).median())
         if self.single:
             self.m0, self.v0 = firsts[0], seconds[0]
             return
@@ -432,6 +459,9 @@ class HierBayesCloud(_Level, Server):
         if any(ages):
             weights = torch.tensor([(1 + s) ** -hp.staleness_exponent for s in ages],
                                    dtype=torch.float64)
+        if sizes and sum(sizes) > 0:  # weighting = samples: each edge by its data, mean 1
+            share = torch.tensor(sizes, dtype=torch.float64) * len(sizes) / sum(sizes)
+            weights = share if weights is None else weights * share
         if not joint:
             self.m0, self.v0, self.a_e, self.b_e = cloud_update(
                 torch.stack(firsts), torch.stack(seconds), hp.psi_prior_var, self.a_e, self.b_e,
@@ -441,11 +471,13 @@ class HierBayesCloud(_Level, Server):
         weighted = meas * ybar
         buffers = (torch.empty_like(ybar), torch.empty_like(ybar))
         scratch = torch.empty_like(ybar)
-        for _ in range(JOINT_SWEEPS):
+        for sweep in range(JOINT_SWEEPS):
             # the edges' block (Eq. 25's Gaussian part) against the current cloud posterior,
             # then the cloud's (Eq. 28): block coordinate ascent over both levels
-            means, variances = edge_posteriors(ybar, meas, self.m0, self.a_e / self.b_e,
-                                               weighted, buffers)
+            lam_e = self.a_e / self.b_e
+            if vague and sweep == 0:  # no pull towards psi before the edges' spread is seen
+                lam_e = torch.full_like(lam_e, 1.0 / hp.psi_prior_var)
+            means, variances = edge_posteriors(ybar, meas, self.m0, lam_e, weighted, buffers)
             self.m0, self.v0, self.a_e, self.b_e = cloud_update(
                 means, variances, hp.psi_prior_var, self.a_e, self.b_e, self.a_p, self.b_p,
                 hp.inner_iters, weights, self.layout, scratch)
@@ -469,11 +501,27 @@ class HierBayesCloud(_Level, Server):
                 "client_std": float(self.var_c.sqrt().mean()),
                 # 1 / E[s_k^2], averaged over tensors and edges (the pull a client's data
                 # meets is lambda_k = a_k / b_k, per sample lambda_k / n_i)
-                "client_prec": float((1.0 / self.var_c).mean())}
+                "client_prec": float((1.0 / self.var_c).mean()),
+                # medians over edges and tensors of 1 / E[sigma^2] (summary.json's figures)
+                "client_prec_median": self.client_precision,
+                "edge_prec_median": self.edge_precision()}
+
+    def edge_precision(self) -> float:
+        """1 / E[sigma_e^2], the median over tensors (NaN with one edge or none learned)."""
+        if self.single or (self.hp.precision_start == "data" and self.round == 0):
+            return float("nan")
+        return float(self.layout.tensor_means(1.0 / expected_var(self.a_e, self.b_e)).median())
+
+    def summary_figures(self, metrics: list[dict]) -> dict[str, float]:
+        """The hierarchy's learned strength at the final round: the client-level and the
+        edge-level precision 1 / E[sigma^2], medians over edges and tensors."""
+        last = metrics[-1] if metrics else {}
+        return {"hier_client_precision": last.get("client_prec_median", float("nan")),
+                "hier_edge_precision": last.get("edge_prec_median", float("nan"))}
 
 
 class HierBayesEdge(_Level, Edge):
-    state = ("m", "v", "a", "b", "ybar", "meas", "refreshed")
+    state = ("m", "v", "a", "b", "ybar", "meas", "refreshed", "samples")
 
     def __init__(self, ctx: EdgeContext, hp: HierBayesHyperparameters):
         super().__init__(ctx, hp)
@@ -483,7 +531,13 @@ class HierBayesEdge(_Level, Edge):
         # its clients' mean and that mean's precision S_k lambda_k (none yet)
         self.ybar, self.meas = self.m.clone(), torch.zeros_like(self.m)
         self.refreshed = 0  # the cloud round of its last aggregation of its clients
+        self.samples = 0  # weighting = samples: its clients' training samples (scaled to all)
         self.joint = _joint(hp, ctx)
+
+    def _vague(self) -> bool:
+        """Whether its clients' variance is still unknown: precision_start = data and no
+        client reply aggregated yet (E[1/sigma_ck^2] = 0, the maximum-likelihood start)."""
+        return self.hp.precision_start == "data" and not self.refreshed
 
     def receive(self, rnd: int, msg: Message) -> None:
         self.m0, self.lam_e = self.layout.read(msg, PSI), self.layout.read(msg, PREC)
@@ -491,7 +545,8 @@ class HierBayesEdge(_Level, Edge):
             self.m, self.v = edge_posteriors(self.ybar, self.meas, self.m0, self.lam_e)
 
     def configure(self, rnd: int, step: int, selected: list[int]) -> dict[int, Message]:
-        msg = Message({**self.layout.model(self.m, MEAN), **self.layout.shared(self.a / self.b, PREC)})
+        lam = torch.zeros_like(self.m) if self._vague() else self.a / self.b
+        msg = Message({**self.layout.model(self.m, MEAN), **self.layout.shared(lam, PREC)})
         return {cid: msg for cid in selected}
 
     def aggregate(self, rnd: int, step: int, replies: dict[int, Message]) -> None:
@@ -499,14 +554,25 @@ class HierBayesEdge(_Level, Edge):
             return
         hp = self.hp
         uploads = torch.stack([self.layout.flat(r.tensors) for r in replies.values()])
+        weights = None
+        if hp.weighting == "samples":
+            sizes = torch.tensor([float(num_samples(cid, r)) for cid, r in replies.items()],
+                                 dtype=torch.float64)
+            weights = sizes if float(sizes.sum()) > 0 else None
+            self.samples = round(float(sizes.sum()) * len(self.ctx.members) / len(replies))
         eps: float | torch.Tensor = hp.client_std
         if hp.client_var == "learned":
-            eps = torch.stack([self.layout.read(r, VAR) for r in replies.values()]).mean(0).sqrt()
+            var = torch.stack([self.layout.read(r, VAR) for r in replies.values()])
+            eps = (var.mean(0) if weights is None else (_column(weights, var) * var).sum(0)).sqrt()
+        b = torch.full_like(self.b, torch.inf) if self._vague() else self.b
         # the replies stand for all the edge's clients (Algorithm 2, step 10: N / N_f)
+        size = len(self.ctx.members)
         self.m, self.v, self.a, self.b = edge_update(
-            uploads, len(self.ctx.members), eps, self.m0, self.lam_e,
-            self.a, self.b, self.a_p, self.b_p, hp.inner_iters, self.layout)
-        self.ybar, self.meas = uploads.mean(0), len(self.ctx.members) * self.a / self.b
+            uploads, size, eps, self.m0, self.lam_e,
+            self.a, b, self.a_p, self.b_p, hp.inner_iters, self.layout, weights)
+        self.ybar = (uploads.mean(0) if weights is None
+                     else (_column(weights, uploads) * uploads).sum(0))
+        self.meas = size * self.a / self.b
         self.refreshed = rnd
 
     def check_reply(self, cid: int, reply: Message) -> None:
@@ -527,6 +593,8 @@ class HierBayesEdge(_Level, Edge):
 
     def report(self, rnd: int) -> Message:
         meta = {STALENESS: rnd - self.refreshed} if rnd > self.refreshed else {}
+        if self.hp.weighting == "samples":
+            meta["num_samples"] = self.samples
         first = (self.layout.model(self.ybar, YBAR) | self.layout.shared(self.meas, MEAS)
                  if self.joint else
                  self.layout.model(self.m, MEAN) | self.layout.shared(self.v, VAR))
