@@ -159,11 +159,17 @@ def _number(value) -> float:
 BARS_UP_TO = 200  # clients drawn as stacked bars; more as a heatmap
 
 
-def plot_partition(counts: np.ndarray, path: Path, classes: Sequence[str] | None = None) -> None:
+def plot_partition(counts: np.ndarray, path: Path, classes: Sequence[str] | None = None,
+                   edges: Sequence[int] | None = None) -> None:
     """Stacked bar per client of its train samples per class; past ``BARS_UP_TO`` clients
     a heatmap of each client's class shares (one image, not n x c bar patches, whose
-    drawing would cost more than the run)."""
+    drawing would cost more than the run). ``edges``, each client's edge server: clients
+    drawn edge by edge, each edge's block marked and named."""
     n, c = counts.shape
+    order = np.arange(n)
+    if edges is not None and len(edges) == n and min(edges, default=-1) >= 0:
+        order = np.argsort(np.asarray(edges), kind="stable")
+        counts = counts[order]
     if n > BARS_UP_TO:
         fig, ax = plt.subplots(figsize=(10, 3.6))
         totals = counts.sum(axis=1, keepdims=True)
@@ -176,6 +182,7 @@ def plot_partition(counts: np.ndarray, path: Path, classes: Sequence[str] | None
         if classes is not None and c <= 20:
             ax.set_yticks(range(c), [str(k) for k in classes[:c]], fontsize=6)
         ax.set_title("per-client class distribution")
+        _mark_edges(ax, edges, order)
         save_figure(fig, path)
         return
     fig, ax = plt.subplots(figsize=(max(5, min(16, 0.25 * n + 3)), 3.6))
@@ -190,4 +197,26 @@ def plot_partition(counts: np.ndarray, path: Path, classes: Sequence[str] | None
     ax.set_title("per-client class distribution")
     if c <= 20:
         ax.legend(fontsize=6, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
+    _mark_edges(ax, edges, order)
     save_figure(fig, path)
+
+
+def _mark_edges(ax, edges: Sequence[int] | None, order: np.ndarray) -> None:
+    """Lines between the edges' blocks of clients (drawn in ``order``), each edge named
+    above its block, and the clients' own ids on the axis."""
+    if edges is None or len(edges) != order.size or min(edges, default=-1) < 0:
+        return
+    sorted_edges = np.asarray(edges)[order]
+    bounds = np.flatnonzero(np.diff(sorted_edges)) + 0.5
+    for x in bounds:
+        ax.axvline(x, color="black", linewidth=0.8)
+    starts = np.concatenate(([-0.5], bounds))
+    ends = np.concatenate((bounds, [order.size - 0.5]))
+    for k, lo, hi in zip(sorted_edges[np.concatenate(([0], (bounds + 0.5).astype(int)))],
+                         starts, ends, strict=True):
+        ax.text((lo + hi) / 2, 1.0, f"edge {int(k)}", transform=ax.get_xaxis_transform(),
+                ha="center", va="bottom", fontsize=7)
+    ax.set_title(ax.get_title(), pad=14)  # room for the edges' names
+    if order.size <= 60:
+        ax.set_xticks(range(order.size), [str(int(i)) for i in order], fontsize=5)
+    ax.set_xlabel("client (by edge)")
