@@ -10,7 +10,8 @@ coordinates (``variance = "layer"``, the default) or held per coordinate:
     phi_k | psi    ~ N(psi, sigma_e^2),    sigma_e^2   ~ IG(a_p, b_p)    edge k
     theta_i | phi_k ~ N(phi_k, sigma_ck^2), sigma_ck^2 ~ IG(a_p, b_p)    client i of edge k
 
-with b_p / a_p = ``prior_scale`` times the layer's initial mean square, and the
+with a_p = ``prior_strength`` (0.01: a weak regulariser), b_p / a_p = ``prior_scale`` times
+the layer's initial mean square, and the
 mean-field posterior (Eq. 18-20) q_i(theta_i) = N(m_i, s_i^2) with s_i^2 Eq. 24's optimum
 (``client_var = "learned"``; FedHB's small fixed spread eps with ``"fixed"``, under which
 learned variances collapse), q(phi_k) = N(m_k, v_k), q(sigma_ck^2) = IG(a_k, b_k),
@@ -31,6 +32,23 @@ q(psi) = N(m_0, v_0), q(sigma_e^2) = IG(a_e, b_e). Blocks (Eq. 23-28, Algorithm 
   which each edge re-solves when the cloud posterior arrives. With one edge sigma_e^2 is not
   identifiable (one observation of a spread): psi is phi_1 and the model is the flat
   two-level one.
+
+The precisions are learned from the data (empirical Bayes, ``precision_start = "data"``):
+the blocks are coordinate ascent (EM) on the paper's objective, which fixes the updates but
+not where they start. Started at the prior's mean precision (``"prior"``, the second pass),
+they barely left it: a client's data constrain a weight so little (n_i h well under
+lambda_k) that Eq. 24's s_i^2 = 1 / (n_i h + lambda_k) hands the edge back its own
+1 / lambda_k, EM's rate lambda_k / (n_i h + lambda_k) is about 1, and the pull on every
+client stayed ``prior_scale``'s (issue 55: 2,530.6 vs 25.9 for prior_scale 1 vs 100). It
+was not the IG prior's weight (one pseudo-observation per tensor against S_k d / 2). Now a
+level assumes nothing before it has seen its children: the clients' first fit runs
+without a pull (E[1/sigma^2] = 0, the limit a_p -> 0, the maximum-likelihood start) and the
+cloud's first joint sweep without a pull towards psi; from then every precision is Eq. 25 /
+28's update from the spread of the models the level sees, and a_p = 0.01 keeps the prior
+from holding the small tensors (biases). 100x prior_scale then moves the learned client
+precision by well under 2x (tests/test_hier_split.py). ``weighting``: the equations sum
+over clients (edges) once each, so ``"equal"`` is the default; ``"samples"`` weights each
+term by training samples, as HierFAVG does, the count of observations unchanged.
 
 Prediction: global averages the predictive over ``mc_samples`` draws of the global model
 psi ~ q(psi) (default), of a new edge's phi (Eq. 30) or of a new client's theta (Algorithm
@@ -80,8 +98,8 @@ YBAR, MEAS = "ybar.", "meas."
 
 class HierBayesHyperparameters(Hyperparameters):
     # the variance priors' scale: how far clients and edges may stray from their parents'
-    # means (prior_strength is left out: with variance = layer it changes nothing measurable,
-    # its pseudo-observations against a tensor's coordinates x clients; docs/algorithms.md)
+    # means (prior_strength is left out: a weak regulariser by design, its pseudo-observations
+    # against a tensor's coordinates x clients; docs/algorithms.md)
     search_space: ClassVar[dict[str, SearchRange]] = {
         "prior_scale": LogUniform(0.1, 10.0),
     }
