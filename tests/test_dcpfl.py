@@ -529,6 +529,10 @@ def test_no_layer_is_low_when_the_clients_disagree_alike_on_every_layer():
     srv._classify(srv.labels, sim.round)
     assert not srv.low.any()
     assert srv._layers_low() == 0
+    srv.low[:] = True  # every layer low, but NoLA has no slower interval to run them at
+    assert srv._layers_low() > 0
+    srv.hp = srv.hp.model_copy(update={"alpha": 1})
+    assert srv._layers_low() == 0
 
 
 def test_layers_low_is_reported_and_purity_follows_the_primary_classes(tmp_path):

@@ -428,7 +428,9 @@ class DCPFLServer(Server):
 
     def _layers_low(self) -> int:
         """(group, layer) pairs aggregated at the slow interval alpha*tau; a one-client group
-        exchanges nothing and counts none."""
+        exchanges nothing and counts none; at alpha = 1 (NoLA) no interval is slower."""
+        if self.hp.alpha == 1:
+            return 0
         return sum(int(self.low[members[0]].sum()) for members in self._members(self.labels).values()
                    if len(members) > 1)
 
