@@ -51,6 +51,35 @@ def write_json(path: Path, obj) -> None:
     write_bytes_atomic(path, (json.dumps(_clean(obj), indent=2) + "\n").encode())
 
 
+def write_json_exclusive(path: Path, obj) -> bool:
+    """``write_json`` that creates ``path`` only if it does not exist (whole, as an atomic
+    write does: a temporary file linked to its name); False, writing nothing, if it
+    exists."""
+    path = Path(path)
+    data = (json.dumps(_clean(obj), indent=2) + "\n").encode()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, _FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails if path exists, whoever made it
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        return True
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def read_json(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text())

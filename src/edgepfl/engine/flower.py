@@ -81,7 +81,13 @@ from edgepfl.engine.ledger import METRIC_COLUMNS
 from edgepfl.engine.parts import Parts, load_federation, resolve
 from edgepfl.engine.progress import configure_logging
 from edgepfl.engine.rounds import Rounds
-from edgepfl.engine.rundir import CHECKPOINT, load_checkpoint, run_rounds, without_rounds
+from edgepfl.engine.rundir import (
+    CHECKPOINT,
+    load_checkpoint,
+    run_dir_lock,
+    run_rounds,
+    without_rounds,
+)
 from edgepfl.engine.transport import ClientFailure, ClientReply, Figures, Transport
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.messages import Message, MessageError
@@ -650,6 +656,15 @@ def run_server(grid: Grid, run_config: Mapping[str, Any], progress: bool | None 
     resume = run_config.get(RESUME, False)
     if not isinstance(resume, bool):
         raise ConfigError(f"Flower run config {RESUME}={resume!r}: it must be true or false")
+    if out is None:
+        return _run_server(grid, run_config, cfg, out, resume, wait, timeout, progress)
+    with run_dir_lock(out):  # one writer: a second ServerApp on this out is refused
+        return _run_server(grid, run_config, cfg, out, resume, wait, timeout, progress)
+
+
+def _run_server(grid: Grid, run_config: Mapping[str, Any], cfg: Config, out: Path | None,
+                resume: bool, wait: float, timeout: float,
+                progress: bool | None) -> FlowerResult:
     if resume and (out is None or not (out / CHECKPOINT).exists()):
         raise EdgepflError(f"{RESUME}=true needs the run config's {OUT} to be a run directory "
                            f"with a {CHECKPOINT}; {out} has none")

@@ -10,10 +10,15 @@ The run directory holds config.json, metrics.csv, failures.csv, checkpoint.safet
 (tensors in safetensors, everything else in its JSON metadata) and, once the run is
 done, summary.json. A checkpoint is refused unless it belongs to the run's
 configuration, compared by ``comparable``: the settings that change what a run computes.
+
+One process writes a run directory at a time: ``run_dir_lock`` holds an exclusive lock
+(``flock``) on its lock file for the life of the run, taken before anything is written,
+and a new run creates its config.json exclusively before its set-up (``claim_new_run``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,10 +37,105 @@ from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.io import read_tensors, write_csv, write_json, write_tensors
 from edgepfl.plugins import load_plugins
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: config.json's exclusive creation is the only guard
+    fcntl = None  # type: ignore[assignment]
+
 if TYPE_CHECKING:
     from edgepfl.engine.rounds import Rounds
 
 CHECKPOINT = "checkpoint.safetensors"
+# held (flock) by the one process writing the directory; removed when it lets go
+LOCK = ".edgepfl.lock"
+
+
+# -- one writer per run directory ---------------------------------------------------------
+class _Held:
+    def __init__(self, fd: int, path: Path, created: bool):
+        self.fd, self.path, self.created, self.depth = fd, path, created, 1
+
+
+_held: dict[str, _Held] = {}  # the directories this process holds, by real path
+
+
+def _acquire(out: Path, what: str) -> _Held:
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EdgepflError(f"cannot create the {what} directory {out}: {exc}") from None
+    path = out / LOCK
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError as exc:
+            raise EdgepflError(f"cannot lock the {what} directory {out}: {exc}") from None
+        if fcntl is None:
+            return _Held(fd, path, created)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise EdgepflError(
+                f"{out} is in use: another process holds its lock ({path}) and is writing "
+                f"a {what} there; nothing was changed. Wait for that process to end (then "
+                f"--resume {out} goes on with it), or choose another --out") from None
+        except OSError as exc:
+            os.close(fd)
+            raise EdgepflError(f"cannot lock the {what} directory {out}: {exc}") from None
+        # the process that held it may have removed the file before we locked it: then
+        # ours is a lock on a file nobody else sees; take the one in the directory
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return _Held(fd, path, created)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _release(held: _Held) -> None:
+    try:
+        held.path.unlink(missing_ok=True)  # while still held: see _acquire
+    finally:
+        os.close(held.fd)
+    if held.created:  # a directory made for a run that wrote nothing goes again
+        try:
+            held.path.parent.rmdir()
+        except OSError:
+            pass
+
+
+@contextmanager
+def run_dir_lock(out: Path, what: str = "run") -> Iterator[None]:
+    """Hold the directory ``out`` (made if missing) for this process until the block ends:
+    another process that asks is refused at once, naming the directory, and changes
+    nothing. Re-entrant within a process (``start_run`` holds it over set-up, the run
+    driver over the rounds). A directory this call made is removed again if it is left
+    empty."""
+    key = os.path.realpath(out)
+    held = _held.get(key)
+    if held is not None:
+        held.depth += 1
+    else:
+        held = _held[key] = _acquire(Path(out), what)
+    try:
+        yield
+    finally:
+        held.depth -= 1
+        if held.depth == 0:
+            del _held[key]
+            _release(held)
+
+
+def claim_new_run(out: Path, config: dict) -> None:
+    """Create ``out``/config.json exclusively (the caller holds ``run_dir_lock``): a
+    directory that holds a run already is refused, unchanged."""
+    from edgepfl.io import write_json_exclusive
+
+    if not write_json_exclusive(out / "config.json", config):
+        raise EdgepflError(f"{out} already holds a run; use --resume {out} to continue it "
+                           "or choose another --out")
 
 
 # -- side work after each round -----------------------------------------------------------
@@ -170,7 +270,16 @@ def run_rounds(rounds: Rounds, out: Path | None, *, label: str, progress: bool |
     (``out``: none without one) and ``hooks`` after them, then write the finished run's
     files. The experiment trackers of ``output.trackers`` are hooks too, set up before
     the first round. Returns the summary, with ``extra()`` taken once the rounds are
-    done."""
+    done. The run directory is held (``run_dir_lock``) until the run ends."""
+    if out is None:
+        return _run_rounds(rounds, out, label, progress, columns, clients, extra, hooks)
+    with run_dir_lock(out):
+        return _run_rounds(rounds, out, label, progress, columns, clients, extra, hooks)
+
+
+def _run_rounds(rounds: Rounds, out: Path | None, label: str, progress: bool | None,
+                columns: list[str], clients: Callable[[], dict[str, torch.Tensor]] | None,
+                extra: Callable[[], dict[str, Any]], hooks: Sequence[Hook]) -> dict:
     from edgepfl.engine.trackers import tracker_hooks  # it builds on Hook: import it late
 
     own: list[Hook] = []

@@ -37,12 +37,14 @@ from edgepfl.engine.rounds import Rounds
 from edgepfl.engine.rundir import (
     CHECKPOINT,
     Hook,
+    claim_new_run,
     comparable,
     config_diff,
     default_run_dir,
     execution_changes,
     load_checkpoint,
     load_run_plugins,
+    run_dir_lock,
     run_rounds,
     save_checkpoint,
     with_before,
@@ -284,6 +286,12 @@ class Simulation:
         """Every round left, into the run directory if there is one; ``hooks`` are called
         after each round (``engine.rundir.Hook``). ``label`` names the run on its progress
         lines (a comparison's runs: which seed or grid point)."""
+        if self.out_dir is None:
+            return self._run(hooks, label)
+        with run_dir_lock(self.out_dir):  # held already when start_run or resume_run ran
+            return self._run(hooks, label)
+
+    def _run(self, hooks: Sequence[Hook], label: str | None) -> RunResult:
         cfg = self.cfg
         if self.out_dir is not None and self.round == 0:
             self._write_setup()
@@ -384,26 +392,29 @@ class Simulation:
 
 def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | None = None,
               label: str | None = None, **kwargs) -> RunResult:
-    """Run a configuration into a fresh run directory (refuses to overwrite a run)."""
+    """Run a configuration into a fresh run directory (refuses to overwrite a run). The
+    directory is held for this process from before its config.json is written to the
+    end of the run (``rundir.run_dir_lock``); a run that cannot start (its data missing,
+    a tracker's package not installed) leaves no trace of itself."""
+    from edgepfl.engine.trackers import check_trackers
+
     cfg = resolve(cfg)
     out = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
-    if (out / "config.json").exists():
+    if (out / "config.json").exists():  # checked again, for good, under the lock
         raise EdgepflError(f"{out} already holds a run; use --resume {out} to continue it "
                            "or choose another --out")
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise EdgepflError(f"cannot create the run directory {out}: {exc}") from None
-    try:
-        with setting_up(f"{cfg.algorithm.name} on {cfg.dataset.name}", progress):
-            sim = Simulation(cfg, out, progress=progress, **kwargs)
-    except BaseException:
-        # e.g. a data set that is not there: leave no empty run directory behind
-        if created and not any(out.iterdir()):
-            out.rmdir()
-        raise
-    return sim.run(label=label)
+    check_trackers(cfg, out)
+    with run_dir_lock(out):
+        claim_new_run(out, cfg.model_dump())
+        try:
+            with setting_up(f"{cfg.algorithm.name} on {cfg.dataset.name}", progress):
+                sim = Simulation(cfg, out, progress=progress, **kwargs)
+        except BaseException:
+            # e.g. a data set that is not there: leave no run behind (the directory goes
+            # with the lock if this call made it and nothing else is in it)
+            (out / "config.json").unlink(missing_ok=True)
+            raise
+        return sim.run(label=label)
 
 
 def resume_run(run_dir: str | Path, cfg: Config | None = None,
@@ -421,6 +432,16 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
     if not (run_dir / "config.json").exists():
         raise EdgepflError(f"{run_dir} holds no run to resume: it has no config.json (a run "
                            "directory is made by edgepfl run --out DIR)")
+    with run_dir_lock(run_dir):  # another process running it is refused before any check
+        return _resume_run(run_dir, cfg, progress, overrides, label, **kwargs)
+
+
+def _resume_run(run_dir: Path, cfg: Config | None, progress: bool | None,
+                overrides: list[str] | None, label: str | None, **kwargs) -> RunResult:
+    from edgepfl.engine.trackers import check_trackers
+
+    if not (run_dir / "config.json").exists():
+        raise EdgepflError(f"{run_dir} holds no run to resume: it has no config.json")
     stored = read_json(run_dir / "config.json")
     if not isinstance(stored, dict) or not isinstance(stored.get("train"), dict):
         raise ConfigError(f"{run_dir / 'config.json'} is not an edgepfl run configuration")
@@ -444,6 +465,7 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
         # how the run goes on (its length, where it runs, its trackers) is the resuming
         # command's; what it computes has just been checked to be the run's
         run_cfg = build_config(given)
+    check_trackers(run_cfg, run_dir)
     ckpt = run_dir / CHECKPOINT
     if not ckpt.exists() and (run_dir / "summary.json").exists():
         raise EdgepflError(f"{run_dir} holds a finished run without its checkpoint (kept "

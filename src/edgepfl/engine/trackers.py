@@ -450,18 +450,26 @@ TRACKERS: dict[str, type[Tracker]] = {
     t.name: t for t in (TensorBoardTracker, MLflowTracker, WandbTracker)}
 
 
+def check_trackers(cfg: Config, out: Path | None) -> None:
+    """Refuse the trackers of ``output.trackers`` that cannot work (a missing package, no
+    run directory) before anything of a run is written."""
+    names = cfg.output.trackers
+    if names and out is None:
+        raise ConfigError(f"output.trackers = {names!r} needs a run directory (to write the "
+                          "trackers' files to, and to resume their runs from); give the run "
+                          "one, or set output.trackers = []")
+    for name in names:
+        TRACKERS[name].check()
+
+
 def tracker_hooks(cfg: Config, out: Path | None) -> list[Tracker]:
     """The hooks of ``output.trackers``, their tracker runs opened (or resumed); a missing
     package is refused before any is opened."""
     names = cfg.output.trackers
     if not names:
         return []
-    if out is None:
-        raise ConfigError(f"output.trackers = {names!r} needs a run directory (to write the "
-                          "trackers' files to, and to resume their runs from); give the run "
-                          "one, or set output.trackers = []")
-    for name in names:
-        TRACKERS[name].check()
+    check_trackers(cfg, out)
+    assert out is not None
     made: list[Tracker] = []
     try:
         for name in names:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from edgepfl.algorithms import get_algorithm
 from edgepfl.config import Config, build_config, set_dotted
+from edgepfl.engine.rundir import run_dir_lock
 from edgepfl.engine.simulation import resolve
 from edgepfl.errors import EdgepflError
 from edgepfl.io import write_bytes_atomic, write_csv
@@ -146,6 +147,15 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
     ``settings``: per algorithm, dotted settings applied over the base and its --set (a
     study's best, ``report.tune``); ``tuned``: per algorithm, what it was tuned with, for
     the table, which then says of every algorithm whether it was tuned."""
+    with run_dir_lock(out, "comparison"):  # one compare writes its folder at a time
+        return _compare(base, algorithms, seeds, out, progress, echo, jobs=jobs,
+                        threads=threads, reference=reference, settings=settings, tuned=tuned)
+
+
+def _compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
+             progress: bool | None, echo: Callable[[str], None], *, jobs: int,
+             threads: int | None, reference: str | None, settings: dict[str, dict] | None,
+             tuned: dict[str, str] | None) -> list[dict]:
     if not algorithms:
         raise EdgepflError("--algorithms is empty; give a comma-separated list, e.g. local,fedavg")
     reference = pick_reference(algorithms, reference)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from edgepfl.config import Config, build_config, parse_value, set_dotted
+from edgepfl.engine.rundir import run_dir_lock
 from edgepfl.engine.simulation import resolve
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.io import write_bytes_atomic, write_csv
@@ -163,6 +164,12 @@ def sweep(base: Config, grid: Grid, seeds: list[int], out: Path,
           jobs: int = 1, threads: int | None = None) -> list[dict]:
     """Every grid point with every seed into ``out/<point>-seed<k>``, then sweep.csv,
     sweep.md and sweep.png. Returns the table's rows, one per grid point."""
+    with run_dir_lock(out, "sweep"):  # one sweep writes its folder at a time
+        return _sweep(base, grid, seeds, out, progress, echo, jobs=jobs, threads=threads)
+
+
+def _sweep(base: Config, grid: Grid, seeds: list[int], out: Path, progress: bool | None,
+           echo: Callable[[str], None], *, jobs: int, threads: int | None) -> list[dict]:
     check_jobs(jobs)
     if (out / "sweep.csv").exists():
         raise EdgepflError(f"{out} already holds a sweep; choose another --out")

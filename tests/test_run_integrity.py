@@ -1,0 +1,115 @@
+"""What a run directory holds is one run's: one writer at a time, no success without
+training, checked checkpoints and checked replies (issue 60)."""
+
+import json
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from edgepfl.engine.rundir import LOCK, run_dir_lock
+from edgepfl.engine.simulation import resume_run, start_run
+from edgepfl.errors import ConfigError, EdgepflError
+from tests.conftest import fast_config
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
+
+
+def _hold(path: str, held, release) -> None:  # another process writing the directory
+    with run_dir_lock(Path(path)):
+        held.set()
+        release.wait(60)
+
+
+class _Holder:
+    """A second process holding ``path`` as a run in progress would."""
+
+    def __init__(self, path: Path):
+        ctx = mp.get_context("fork")
+        self.held, self.release = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=_hold, args=(str(path), self.held, self.release))
+
+    def __enter__(self):
+        self.proc.start()
+        assert self.held.wait(30)
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.proc.join(30)
+
+
+# -- 1. one writer per run directory --------------------------------------------------------
+def test_a_second_run_into_a_directory_being_set_up_is_refused_and_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()  # the first run is setting up: no config.json yet
+    with _Holder(out):
+        before = _files(out)
+        with pytest.raises(EdgepflError, match=f"{out} is in use: another process holds"):
+            start_run(fast_config("train.rounds=1"), out, progress=False)
+        assert _files(out) == before and not (out / "config.json").exists()
+
+
+def test_a_resume_of_a_run_another_process_writes_is_refused_and_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    start_run(fast_config("train.rounds=1"), out, progress=False)
+    assert not (out / LOCK).exists()  # let go once the run ended
+    with _Holder(out):
+        before = _files(out)
+        with pytest.raises(EdgepflError, match="is in use"):
+            resume_run(out, progress=False, overrides=["train.rounds=2"])
+        with pytest.raises(EdgepflError, match="already holds a run"):
+            start_run(fast_config("train.rounds=1"), out, progress=False)
+        assert _files(out) == before
+    # once the other process is gone, the run is the first one's and goes on
+    assert json.loads((out / "config.json").read_text())["train"]["rounds"] == 1
+    assert resume_run(out, progress=False, overrides=["train.rounds=2"]).summary["rounds"] == 2
+
+
+def test_config_json_exists_before_set_up_and_a_failed_set_up_removes_it(tmp_path, monkeypatch):
+    import edgepfl.engine.simulation as simulation
+
+    out, seen = tmp_path / "run", []
+    real = simulation.load_federation
+
+    def load(cfg, *args):
+        seen.append((out / "config.json").exists())
+        return real(cfg, *args)
+
+    monkeypatch.setattr(simulation, "load_federation", load)
+    start_run(fast_config("train.rounds=1"), out, progress=False)
+    assert seen == [True]
+
+    def fail(cfg, *args):
+        raise EdgepflError("no data")
+
+    monkeypatch.setattr(simulation, "load_federation", fail)
+    with pytest.raises(EdgepflError, match="no data"):
+        start_run(fast_config("train.rounds=1"), tmp_path / "other", progress=False)
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_run_refused_for_a_missing_tracker_leaves_no_run_directory(tmp_path, monkeypatch):
+    from edgepfl.engine.trackers import TRACKERS
+
+    def missing(cls=None):
+        raise ConfigError("output.trackers has 'tensorboard', which needs the tensorboard "
+                          "package; install it with pip install 'edgepfl[tensorboard]'")
+
+    monkeypatch.setattr(TRACKERS["tensorboard"], "check", staticmethod(missing))
+    cfg = fast_config("train.rounds=1", "output.trackers=['tensorboard']")
+    for _ in range(2):  # the same command again says the same, not "already holds a run"
+        with pytest.raises(ConfigError, match="needs the tensorboard package"):
+            start_run(cfg, tmp_path / "run", progress=False)
+        assert not (tmp_path / "run").exists()
+
+
+def test_the_lock_is_reentrant_in_a_process_and_removes_a_directory_it_made(tmp_path):
+    out = tmp_path / "made"
+    with run_dir_lock(out):
+        with run_dir_lock(out):
+            assert (out / LOCK).exists()
+        assert (out / LOCK).exists()  # still held by the outer block
+    assert not out.exists()
