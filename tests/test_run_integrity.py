@@ -60,7 +60,7 @@ def test_a_resume_of_a_run_another_process_writes_is_refused_and_changes_nothing
         before = _files(out)
         with pytest.raises(EdgepflError, match="is in use"):
             resume_run(out, progress=False, overrides=["train.rounds=2"])
-        with pytest.raises(EdgepflError, match="already holds a run"):
+        with pytest.raises(EdgepflError, match="is in use"):
             start_run(fast_config("train.rounds=1"), out, progress=False)
         assert _files(out) == before
     # once the other process is gone, the run is the first one's and goes on

@@ -400,11 +400,8 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
 
     cfg = resolve(cfg)
     out = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
-    if (out / "config.json").exists():  # checked again, for good, under the lock
-        raise EdgepflError(f"{out} already holds a run; use --resume {out} to continue it "
-                           "or choose another --out")
     check_trackers(cfg, out)
-    with run_dir_lock(out):
+    with run_dir_lock(out):  # a run in progress there is refused as such, first
         claim_new_run(out, cfg.model_dump())
         try:
             with setting_up(f"{cfg.algorithm.name} on {cfg.dataset.name}", progress):
