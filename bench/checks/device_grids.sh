@@ -5,7 +5,10 @@
 # 14 at a time on the one GPU, each tier's clients batched (train.batch_clients); `hier` (or
 # `both`) adds cells of the hierarchical Bayesian Fig. 3 study (bench/papers/hier_fig3.sh)
 # as one-thread CPU runs side by side (its 136 runs are done: only for more seeds or
-# settings). monitor.log records the GPU's use and the finished count every minute.
+# settings); `dcpfl` runs DC-PFL's Table II at the paper's full data (50 clients x 1,200
+# images, bench/papers/dcpfl_table2.sh FRACTION=1, three seeds, seven methods: about an hour
+# a run on one CPU thread), each run's 50 clients batched on the GPU, DCPFL_JOBS at a time
+# (default 12). monitor.log records the GPU's use and the finished count every minute.
 # For a dry run of the mechanics on a CPU: DEVICE_SETTINGS=train.device=cpu LONG_ROUNDS=1
 # FRACTION=0.02 HMPL_JOBS=2. A 100-round HMPL run beside 13 others needs about 20 minutes
 # of an H200, past one call's 10: give fewer runs the GPU (HMPL_JOBS) or fewer SEEDS.
@@ -79,6 +82,15 @@ hmpl_queue() {  # HMPL's runs not done yet (bench/papers/README.md, "Not run"), 
   $grid "$r" fmnist "iv v" "$seeds" hmpl
   $grid "$r" "mnist fmnist" "iv v" "$seeds" "hmpl_s heterofl fedavg fedper"
 }
+if [[ $what == dcpfl ]]; then
+  OUT="$out/table2full" FRACTION=${FRACTION:-1} PRINT=1 \
+    EXTRA=${DEVICE_SETTINGS-"train.device=cuda train.batch_clients=true"} \
+    bash "$here/papers/dcpfl_table2.sh" "${SEEDS:-0 1 2}" > "$out/dcpfl_queue.txt"
+  echo "dcpfl: $(wc -l < "$out/dcpfl_queue.txt") runs queued, ${DCPFL_JOBS:-12} at a time"
+  ( timeout $((limit - 20)) xargs -P "${DCPFL_JOBS:-12}" -L 1 \
+      bash "$here/grid/run_one.sh" < "$out/dcpfl_queue.txt" > "$out/dcpfl.log" 2>&1 ) &
+  jobs_pids+=($!)
+fi
 if [[ $what == hmpl || $what == both ]]; then
   if [[ -z ${DEVICE_SETTINGS+x} ]]; then
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')" ||

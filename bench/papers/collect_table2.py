@@ -80,17 +80,36 @@ def one_run(run: Path) -> dict:
     }
 
 
+def dcpfl_details(run: Path) -> str | None:
+    """One line of what DC-PFL's two mechanisms did in a run: the splits (round: groups,
+    purity of the grouping the split made), the rounds with a layer at the slow interval,
+    and the run's bytes."""
+    groups_file = run / "dcpfl_groups.json"
+    if not groups_file.is_file():
+        return None
+    info = json.loads(groups_file.read_text())
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    low = [r for r in rows if float(r.get("layers_low") or 0) > 0]
+    purity = info.get("purity") or []
+    splits = ", ".join(f"{p['from_round']}: {len(p['groups'])} ({100 * p['purity']:.0f}% pure)"
+                       for p in purity)
+    summary = json.loads((run / "summary.json").read_text())
+    mb = (summary["bytes_up_total"] + summary["bytes_down_total"]) / 1e6
+    return (f"| {run.name} | {splits} | {len(low)} of {len(rows)} | "
+            f"{max((float(r.get('layers_low') or 0) for r in rows), default=0):.0f} | {mb:.0f} |")
+
+
 def mean(values: list[float]) -> float:
     return statistics.fmean(values)
 
 
 def main(roots: list[Path]) -> None:
-    print("| runs | method | seeds | rounds | final acc | last 5 rounds | best acc | final std | "
+    print("| runs | method | seeds | rounds | final acc | ± seeds | last 5 rounds | best acc | final std | "
           "final worst | "
           "converged at "
           "| comm. rounds | comm. time (s) | total time (s) | MB up+down (whole run) | "
           "paper: final acc (%), comm. rounds, comm. time (s), total time (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for folder, groups in finished_runs(roots).items():
         results = {name: [one_run(d) for d in dirs] for name, dirs in groups.items()}
         comp = results.get("dcpfl")
@@ -114,6 +133,7 @@ def main(roots: list[Path]) -> None:
                              f"total time {total / ref - 1:+.1%}")
             print(f"| {folder} | {name} | {len(runs)} | {rounds} | "
                   f"{100 * final:.2f} | "
+                  f"{100 * statistics.pstdev([r['final'] for r in runs]):.2f} | "
                   f"{100 * mean([r['last'] for r in runs]):.2f} | "
                   f"{100 * mean([r['best'] for r in runs]):.2f} | "
                   f"{100 * mean([r['std'] for r in runs]):.2f} | "
@@ -122,6 +142,13 @@ def main(roots: list[Path]) -> None:
                   f"{mean([r['comm_rounds'] for r in runs]):.0f} | "
                   f"{mean([r['comm_time'] for r in runs]):.0f} | {total:.0f}{ratio} | "
                   f"{mean([r['mb'] for r in runs]):.0f} | {ptxt} |")
+    details = [line for groups in finished_runs(roots).values() for name, dirs in groups.items()
+               if name.startswith("dcpfl") for d in dirs if (line := dcpfl_details(d))]
+    if details:
+        print("\n| DC-PFL run | splits (round: groups, purity) | rounds with a layer at "
+              "alpha*tau | most (group, layer) pairs at alpha*tau | MB up+down |")
+        print("|---|---|---|---|---|")
+        print("\n".join(details))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 #   bench/papers/dcpfl_table2.sh [SEEDS] [ALGORITHMS]
 #     defaults: "0" "local fedavg perfedavg clusterfl dcpfl dcpfl:fixed_gamma=0.8 dcpfl:alpha=1"
 #   ROUNDS=80 FRACTION=0.1 EPOCHS=5 LR=0.05 MODEL=lenet5 JOBS=2 OUT=runs/table2
+#   EXTRA="train.device=cuda train.batch_clients=true" adds settings to every run;
+#   PRINT=1 prints the grid's lines (bench/grid/run_one.sh arguments) instead of running them
 #
 # A round is tau = 5 local epochs (docs/algorithms.md, "DC-PFL": Table II's times say the
 # paper's DC-PFL communicated in about 57 of its 64 rounds, which one epoch a round cannot
@@ -29,6 +31,8 @@ for seed in $seeds; do
     echo "${OUT:-runs/table2}/fmnist-$model-e$epochs-f$fraction-r$rounds-lr$lr $seed $algo" \
          "dataset.name=fmnist dataset.fraction=$fraction partition.scheme=primary_secondary" \
          "partition.clients=50 model.name=$model train.rounds=$rounds train.local_epochs=$epochs" \
-         "train.lr=$lr train.batch_size=32 system.profile=fixed_rate system.rate_mbps=2"
+         "train.lr=$lr train.batch_size=32 system.profile=fixed_rate system.rate_mbps=2" \
+         ${EXTRA:-}
   done
-done | xargs -P "${JOBS:-1}" -L 1 bash "$(dirname "$0")/../grid/run_one.sh"
+done | if [[ -n ${PRINT:-} ]]; then cat; else
+  xargs -P "${JOBS:-1}" -L 1 bash "$(dirname "$0")/../grid/run_one.sh"; fi
