@@ -544,6 +544,10 @@ def test_layers_low_is_reported_and_purity_follows_the_primary_classes(tmp_path)
     assert out[0]["purity"] == 0.5 and out[0]["until_round"] == 7
     assert out[1]["purity"] == 0.75 and out[1]["until_round"] is None
     assert out[1]["groups"][1] == {"clients": [2, 3], "primary_classes": [1, 2], "purity": 0.5}
+    # primary classes 0, 0, 1, 2: one pair of six shares a class; the split keeps it
+    # together in one of its two within-group pairs
+    assert out[0]["same_primary_chance"] == pytest.approx(1 / 6)
+    assert out[1]["same_primary"] == 0.5 and out[0]["same_primary"] == pytest.approx(1 / 6)
     assert group_purity(history, tmp_path / "missing.json") is None
     run = start_run(fast_config(*QUICK, "train.rounds=6"), tmp_path / "run", progress=False)
     assert all("layers_low" in r for r in run.metrics)

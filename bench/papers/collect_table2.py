@@ -91,8 +91,17 @@ def dcpfl_details(run: Path) -> str | None:
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     low = [r for r in rows if float(r.get("layers_low") or 0) > 0]
     purity = info.get("purity") or []
-    splits = ", ".join(f"{p['from_round']}: {len(p['groups'])} ({100 * p['purity']:.0f}% pure)"
-                       for p in purity)
+    if not purity or "same_primary" not in purity[0]:  # written before 2026-11-29's fields
+        from edgepfl.algorithms.dcpfl import group_purity
+
+        history = [(g["round"], g["gamma_tilde"], g["labels"]) for g in info["groupings"]]
+        purity = group_purity(history, run / "partition.json") or []
+    splits = ", ".join(
+        f"{p['from_round']}: {len(p['groups'])}"
+        + ("" if p.get("same_primary") is None else f" ({100 * p['same_primary']:.0f}%)")
+        for p in purity)
+    if purity and purity[0].get("same_primary_chance") is not None:
+        splits += f"; chance {100 * purity[0]['same_primary_chance']:.0f}%"
     summary = json.loads((run / "summary.json").read_text())
     mb = (summary["bytes_up_total"] + summary["bytes_down_total"]) / 1e6
     return (f"| {run.name} | {splits} | {len(low)} of {len(rows)} | "
@@ -145,7 +154,8 @@ def main(roots: list[Path]) -> None:
     details = [line for groups in finished_runs(roots).values() for name, dirs in groups.items()
                if name.startswith("dcpfl") for d in dirs if (line := dcpfl_details(d))]
     if details:
-        print("\n| DC-PFL run | splits (round: groups, purity) | rounds with a layer at "
+        print("\n| DC-PFL run | groupings (from round: groups (pairs in a group sharing a primary "
+              "class)) | rounds with a layer at "
               "alpha*tau | most (group, layer) pairs at alpha*tau | MB up+down |")
         print("|---|---|---|---|---|")
         print("\n".join(details))
