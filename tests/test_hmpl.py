@@ -204,8 +204,9 @@ def test_the_client_shrinks_grows_and_keeps_its_ip_layers_as_told():
     sup2 = client.update(0, told(2), {**sup1, "ip_lateral2.weight": lateral}, data, gen).state
     assert int(sup2[STAGE]) == 2 and torch.equal(sup2["ip_lateral2.weight"], lateral)
     assert "ip_lateral1.weight" in sup2
-    # Com and Sup are kept, a Sup model never shrinks back
-    for state, stage in [(com.state, ORD), (com.state, 1), (sup2, 1), (sup2, COM), (sup1, ORD)]:
+    # Com and Sup are kept, a Sup model never leaves its tier (going back one Sup stage,
+    # growth_revert, is tests/test_hmpl_growth.py's)
+    for state, stage in [(com.state, ORD), (com.state, 1), (sup2, COM), (sup1, ORD)]:
         with pytest.raises(MessageError, match="cannot turn into"):
             client.update(0, told(stage), state, data, gen)
     # a download must be exactly the shared layers of the model it asks for
@@ -372,9 +373,19 @@ def test_tiers_json_lists_each_clients_tier_depth_and_each_tiers_accuracy(run, t
     written = json.loads((tmp_path / "tiers.json").read_text())
     tiers = sim.server.tiers
     assert [c["tier"] for c in written["clients"]] == tiers
-    # both Sup models grew once: their depth-1 rounds stayed under the upper threshold
-    assert [c["depth"] for c in written["clients"]] == [2 if t == "sup" else 0 for t in tiers]
+    # both Sup models grew once: their depth-1 rounds stayed under the upper threshold;
+    # one's depth-2 round did not, and it went back to depth 1 (growth_revert)
+    assert [c["depth"] for c in written["clients"] if c["tier"] != "sup"] == [0] * 4
     assert written["thresholds"] == sim.server.thresholds
+    assert written["bound_s"] == sim.server.thresholds["upper"] and written["growth_revert"]
+    sup = [c for c in written["clients"] if c["tier"] == "sup"]
+    assert sorted(c["depth"] for c in sup) == [1, 2]
+    for c in sup:
+        assert c["kept_depth"] == c["depth"] and c["within_bound"]
+        assert 0 < c["kept_time_s"] <= written["bound_s"]
+        assert c["growth_stopped"] == (c["depth"] == 1)
+        assert c["reverted_from"] == (2 if c["depth"] == 1 else None)
+    assert all("kept_time_s" not in c for c in written["clients"] if c["tier"] != "sup")
     acc = sim.rounds.client_acc
     for tier in ("com", "ord", "sup"):
         mine = [acc[c] for c, x in enumerate(tiers) if x == tier]

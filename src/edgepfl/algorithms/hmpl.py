@@ -17,7 +17,8 @@ HMPL (Sec. III):
   (``models.hmpl.preserving_start``), or from one random draw per tier, or per client.
 * **Growth** (Sec. III-C2): a Sup model gains one top-down stage towards the earlier
   layers (``ip_lateral2``, then ``ip_lateral1``) after each round whose time stays under
-  the upper time threshold, up to ``sup_max_depth``; once its time exceeds it, it stops.
+  the upper time threshold, up to ``sup_max_depth``; once its time exceeds it, it stops,
+  back at the stage before, whose time was within it (``growth_revert``; stage 1 at least).
 * **Aggregation** (Sec. III-E): each BS layer is averaged over the clients whose model
   holds it (Com models lack conv3) with the server step eta, Eq. 5-6; the CP layer is
   averaged over the Sup models only, Eq. 7-8; IP layers never leave their client.
@@ -119,7 +120,8 @@ FIRST_ROUND = Field(
 class HMPLHyperparameters(Hyperparameters):
     # what runs stored before each setting existed did
     before: ClassVar[dict[str, Any]] = {"first_round": "sampled", "generation": "random",
-                                        "rank_by": "round", "com_align": "kept"}
+                                        "rank_by": "round", "com_align": "kept",
+                                        "growth_revert": False}
     first_round: Literal["all", "sampled"] = FIRST_ROUND
     generation: Literal["preserve", "shared", "random"] = Field(
         "preserve", description="how the layers a tier adds to the Ord model start (Com's "
@@ -161,6 +163,15 @@ class HMPLHyperparameters(Hyperparameters):
     growth_bound: Literal["upper", "lower"] = Field(
         "upper", description="the time threshold a Sup model grows under (Sec. III-C2): "
         "upper = the Ord/Com one (the paper's 'upper time threshold'), lower = the Sup/Ord one")
+    growth_revert: bool = Field(
+        True, description="what a Sup model does when its time at a stage exceeds the growth "
+        "bound: true = it goes back to the stage before, whose time was within the bound, "
+        "and stays there (keeping the shared layers it trained, its own lateral of the "
+        "dropped stage discarded), so that the model it keeps is within the bound (Sec. "
+        "III-C2: 'the model complexity is beyond tolerance ... the model will stop "
+        "expansion'); a model past the bound at stage 1, the Sup model's first, stays at "
+        "stage 1; false = it stops growing but keeps the stage that broke the bound (runs "
+        "before this setting)")
 
     @field_validator("tier_ratio")
     @classmethod
@@ -312,7 +323,9 @@ class HMPLServer(Server):
             # is setting it at every Sup model's generation from the Ord model
             self.shared.update(preserving_start("cp_merge", self.shared))
             # only preserve keeps this, so runs of the other modes resume as they were saved
-            self.state = (*type(self).state, "aligned")
+            self.state = (*self.state, "aligned")
+        if not self.reduced:
+            self.state = (*self.state, "sup_times")
         # a Com client whose reply on the Com model has arrived: it holds its aligner, so
         # conv3 (what the aligner is derived from) no longer goes with its model
         self.aligned = [False] * n
@@ -322,6 +335,9 @@ class HMPLServer(Server):
         self.tiers: list[str | None] = ["ord" if self.reduced else None] * n
         self.depths = [0] * n  # a Sup client's depth: the one it is told next
         self.stopped = [False] * n  # a Sup client whose time passed the growth bound
+        # a Sup client's latest time (ranking measure) at each stage 1..SUP_MAX_DEPTH it
+        # trained, None where it never did: what the stage it keeps is reported with
+        self.sup_times: list[list[float | None]] = [[None] * SUP_MAX_DEPTH for _ in range(n)]
         self.times: list[float | None] = [None] * n  # the round time a tier was given by
         # "lower" (Sup/Ord) and "upper" (Ord/Com) time thresholds, once ranked
         self.thresholds: dict[str, float] | None = None
@@ -455,19 +471,44 @@ class HMPLServer(Server):
             return "sup"
         return "com" if time > self.thresholds["upper"] else "ord"
 
+    def bound(self) -> float:
+        """The growth bound (``growth_bound``'s threshold), in the ranking measure."""
+        assert self.thresholds is not None
+        return self.thresholds[self.hp.growth_bound]
+
     def _grow(self, times: dict[int, float]) -> None:
         """Sec. III-C2: a Sup model whose round time stays under the bound grows one stage;
-        once past it, it stops for good."""
-        assert self.thresholds is not None
-        bound = self.thresholds[self.hp.growth_bound]
+        the first time it is past it, it stops for good, under ``growth_revert`` back at the
+        stage before (whose time was within the bound: it grew from there), never below
+        stage 1."""
+        bound = self.bound()
         for cid in sorted(times):
             stage = self._sent.get(cid, ORD)
             if self.tiers[cid] != "sup" or stage < 1 or stage != self.depths[cid]:
                 continue  # timed on another model than its current Sup model
+            self.sup_times[cid][stage - 1] = times[cid]
             if times[cid] > bound:
+                if self.hp.growth_revert and not self.stopped[cid] and stage > 1:
+                    self.depths[cid] = stage - 1
                 self.stopped[cid] = True
             elif not self.stopped[cid] and stage < self.hp.sup_max_depth:
                 self.depths[cid] = stage + 1
+
+    def kept(self, cid: int) -> tuple[int | None, float | None]:
+        """A Sup client's kept stage and its latest time there: the deepest stage it was
+        timed at, up to the one it is told to hold (a client that grew after its last
+        round holds the stage before); (None, None) when it never trained a Sup model."""
+        timed = [d for d in range(1, self.depths[cid] + 1) if self.sup_times[cid][d - 1] is not None]
+        if self.tiers[cid] != "sup" or not timed:
+            return None, None
+        return timed[-1], self.sup_times[cid][timed[-1] - 1]
+
+    def load_state(self, tensors: State, meta: dict[str, Any] | None = None) -> None:
+        meta = dict(meta or {})
+        if "sup_times" in self.state and "sup_times" not in meta:
+            # a checkpoint from before the stages' times were kept: unknown until retimed
+            meta["sup_times"] = [[None] * SUP_MAX_DEPTH for _ in self.tiers]
+        super().load_state(tensors, meta)
 
     # -- evaluation and figures -----------------------------------------------------------
     def eval_message(self, cid: int) -> Message | None:
@@ -529,6 +570,9 @@ class HMPLServer(Server):
         out: dict[str, dict[str, Any]] = {}
         trained = [r["sup_depth_trained"] for r in metrics if "sup_depth_trained" in r]
         sup = max(trained, default=0) if trained else self.sup_depth_max()
+        kept = [d for d, _ in map(self.kept, range(len(self.tiers))) if d is not None]
+        if self.hp.growth_revert and kept:
+            sup = max(kept)  # a reverted model's dropped stage is not the model it keeps
         for tier, stage in (("com", COM), ("ord", ORD), ("sup", max(sup, 1))):
             n = sum(r.get(f"trained_{tier}", 0) for r in metrics)
             figures: dict[str, Any] = {"client_rounds": n, "stage_model": stage_model(stage)}
@@ -558,10 +602,22 @@ class HMPLServer(Server):
         if not isinstance(acc, list) or len(acc) != len(self.tiers):
             acc = [None] * len(self.tiers)
         acc = [a if isinstance(a, int | float) and math.isfinite(a) else None for a in acc]
-        clients = [{"client": c, "tier": t, "depth": d if t == "sup" else 0, "time_s": s,
-                    "growth_stopped": g, "acc_final": a}
-                   for c, (t, d, s, g, a) in enumerate(zip(self.tiers, self.depths, self.times,
-                                                           self.stopped, acc, strict=True))]
+        bound = self.bound() if self.thresholds is not None else None
+        clients = []
+        for c, (t, d, s, g, a) in enumerate(zip(self.tiers, self.depths, self.times,
+                                                self.stopped, acc, strict=True)):
+            row = {"client": c, "tier": t, "depth": d if t == "sup" else 0, "time_s": s,
+                   "growth_stopped": g}
+            if t == "sup":
+                # the stage it keeps and its time there, against the bound
+                depth, time = self.kept(c)
+                dropped = [k for k in range(d + 1, SUP_MAX_DEPTH + 1)
+                           if self.sup_times[c][k - 1] is not None]
+                row.update({"kept_depth": depth, "kept_time_s": time,
+                            "within_bound": None if time is None or bound is None
+                            else time <= bound,
+                            "reverted_from": dropped[-1] if dropped else None})
+            clients.append({**row, "acc_final": a})
         means = {}
         for tier in TIER_NAMES:  # a client not ranked (never timed) trained the Ord model
             mine = [r["acc_final"] for r in clients
@@ -569,7 +625,8 @@ class HMPLServer(Server):
             means[tier] = sum(mine) / len(mine) if mine else None
         write_json(out_dir / "tiers.json", {
             "tier_ratio": self.hp.tier_ratio, "first_round": self.hp.first_round,
-            "growth_bound": self.hp.growth_bound, "thresholds": self.thresholds,
+            "growth_bound": self.hp.growth_bound, "bound_s": bound,
+            "growth_revert": self.hp.growth_revert, "thresholds": self.thresholds,
             "acc_final_mean": means, "costs": summary.get("tier_costs"), "clients": clients})
         rows = _read_metrics(out_dir / "metrics.csv")
         if plots and rows:
@@ -665,10 +722,11 @@ class HMPLClient(Client):
             raise MessageError(f"hmpl_s: every client holds the Ord model; the server sent "
                                f"{msg.meta}")
         grows = current == ORD or (current >= 1 and target >= current)
-        if target != current and not grows:
+        if target != current and not grows and not self.reverts(current, target):
             raise MessageError(f"hmpl: a client holding the {tier_name(current)} model "
                                f"(stage {current}) cannot turn into stage {target}: Com and Sup "
-                               "are kept, and a Sup model only grows")
+                               "are kept, and a Sup model only grows (under "
+                               "algorithm.growth_revert, or goes back one Sup stage)")
         trainer = self.trainer_at(target)
         shared = shared_names(target, self.dims)
         expected = {n: trainer.params[n] for n in shared}
@@ -704,12 +762,25 @@ class HMPLClient(Client):
         return FitRequest(model, data, t.local_epochs, t.batch_size, t.lr, gen,
                           momentum=t.momentum, weight_decay=t.weight_decay, trainer=trainer)
 
+    def reverts(self, current: int, target: int) -> bool:
+        """Whether going from ``current`` to ``target`` is a Sup model's one step back to the
+        stage before (``growth_revert``, the server's answer to a time past the bound)."""
+        return (not self.reduced and self.hp.growth_revert and current >= 2
+                and target == current - 1)
+
     def finish(self, cid: int, msg: Message, state: State, data: ClientData,
                trained: State, stats: dict[str, float]) -> UpdateResult:
         target = message_stage(msg)
         reply = Message({n: trained[n] for n in shared_names(target, self.dims)},
                         {NUM_SAMPLES: data.n})
         own = {n: trained[n] for n in ip_names(target, self.dims)}
+        current = client_stage(state)
+        if self.reverts(current, target):
+            # the dropped stage's own layers are discarded: the engine keeps a state entry
+            # once written (an entry not returned keeps its value), so they are zeroed, as
+            # the layers a tier lacks are on the engine's skeleton (never read at this stage)
+            own.update({n: torch.zeros_like(state[n]) for n in ip_names(current, self.dims)
+                        if n not in own and n in state})
         return UpdateResult(reply, {STAGE: torch.tensor(target), **own}, stats)
 
 
