@@ -113,3 +113,63 @@ def test_the_lock_is_reentrant_in_a_process_and_removes_a_directory_it_made(tmp_
             assert (out / LOCK).exists()
         assert (out / LOCK).exists()  # still held by the outer block
     assert not out.exists()
+
+
+# -- 2. no success without training ---------------------------------------------------------
+FAST = ["--set", "dataset.name=synthetic", "--set", "partition.clients=6",
+        "--set", "train.batch_size=32", "--set", "output.plots=false"]
+
+
+def test_a_run_whose_every_reply_was_rejected_exits_non_zero_with_the_reason(tmp_path):
+    from click.testing import CliRunner
+
+    from edgepfl.cli import main
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["run", *FAST, "--set", "train.lr=1e10",
+                                    "--set", "train.rounds=2", "--out", str(out), "--quiet"])
+    assert res.exit_code == 2, res.output
+    assert "no client's reply was aggregated in any of the run's 2 round(s)" in res.output
+    assert "12 rejected: NaN or Inf values" in res.output and "lower train.lr" in res.output
+    assert "best mean acc" not in res.output and not (out / "summary.json").exists()
+    # and the same again (a resume) says the same, rather than reporting the initial model
+    res = CliRunner().invoke(main, ["run", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 2 and "no client's reply was aggregated" in res.output
+
+
+def test_a_round_that_aggregated_nothing_says_so_in_its_progress_line(capsys, caplog):
+    from edgepfl.engine.simulation import Simulation
+    from edgepfl.engine.transport import NothingTrained
+
+    sim = Simulation(fast_config("train.lr=1e10", "train.rounds=2"), progress=None)
+    with pytest.raises(NothingTrained):
+        sim.run()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "round " in line]
+    assert len(lines) == 2 and all("[nothing aggregated: all 6 replies failed]" in line
+                                   for line in lines)
+    # the divergence warning counts the rejected replies, though no loss of theirs arrived
+    assert "round 1: 6 of the 6 replies asked for had NaN or Inf values" in caplog.text
+
+
+def test_a_run_that_aggregated_in_every_round_reports_as_before():
+    from edgepfl.engine.simulation import Simulation
+
+    sim = Simulation(fast_config("train.rounds=2"), progress=False)
+    result = sim.run()
+    assert result.summary["rounds"] == 2 and sim.rounds.ledger.rounds_aggregated == 2
+    assert sim.rounds.round_note == ""
+
+
+def test_a_round_where_every_test_loss_is_nan_leaks_no_numpy_warning():
+    import math
+    import warnings
+
+    import numpy as np
+
+    from edgepfl.engine.ledger import accuracy_row
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        row = accuracy_row([0.1, 0.2], [math.nan, math.nan], np.array([3, 4]))
+    assert math.isnan(row["loss"]) and row["acc_mean"] == pytest.approx(0.15)
+

@@ -68,6 +68,9 @@ class Ledger:
     # asynchronous edges: each edge's simulated work in hand beyond the periods elapsed
     # (edgepfl.engine.schedule.async_debt)
     edge_debt: list[float] = None  # type: ignore[assignment]
+    # rounds in which at least one reply was aggregated (None: a checkpoint from before
+    # they were counted, so unknown)
+    rounds_aggregated: int | None = 0
 
     def __post_init__(self) -> None:
         n, e = self.num_clients, self.num_edges
@@ -139,7 +142,9 @@ class Ledger:
                 "failure_log": self.failure_log,
                 "client_best_selected": _nulls(self.client_best_selected),
                 "val_best": {k: _nulls(v) for k, v in self.val_best.items()},
-                **({"privacy": self.privacy} if self.privacy else {})}
+                **({"privacy": self.privacy} if self.privacy else {}),
+                **({} if self.rounds_aggregated is None
+                   else {"rounds_aggregated": self.rounds_aggregated})}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any], num_clients: int, num_edges: int,
@@ -169,7 +174,14 @@ class Ledger:
                 {k: [math.nan if v is None else float(v) for v in meta["val_best"][k]]
                  for k in VAL_BEST if k in meta.get("val_best", {})},
                 dict(meta.get("privacy", {})),
-                [float(v) for v in meta.get("edge_debt", [0.0] * edges)])
+                [float(v) for v in meta.get("edge_debt", [0.0] * edges)],
+                meta.get("rounds_aggregated"))
+            if ledger.rounds_aggregated is not None and (
+                    isinstance(ledger.rounds_aggregated, bool)
+                    or not isinstance(ledger.rounds_aggregated, int)
+                    or not 0 <= ledger.rounds_aggregated <= rnd):
+                raise ValueError(f"rounds_aggregated = {ledger.rounds_aggregated!r} of {rnd} "
+                                 "rounds")
             if len(metrics) != rnd or ledger.bytes_up.shape != (n,) or \
                     ledger.bytes_down.shape != (n,) or ledger.edge_bytes_up.shape != (edges,) or \
                     ledger.edge_bytes_down.shape != (edges,) or \
@@ -217,7 +229,13 @@ def accuracy_row(accs: list[float], losses: list[float], test_sizes: np.ndarray)
             "acc_weighted": float(np.average(acc[ok], weights=test_sizes[ok])),
             "acc_std": float(acc[ok].std()),
             "acc_min": float(acc[ok].min()),
-            "loss": float(np.nanmean(losses))}
+            "loss": _nanmean(losses)}
+
+
+def _nanmean(values: list[float]) -> float:
+    """``np.nanmean``, NaN without numpy's warning where every value is NaN."""
+    v = np.asarray(values, dtype=float)
+    return math.nan if np.isnan(v).all() else float(np.nanmean(v))
 
 
 def diverged(accs: list[float], losses: list[float]) -> list[int]:

@@ -72,18 +72,21 @@ class RoundProgress:
             self._task = self._progress.add_task(label, total=total, completed=start, info="")
             self._progress.start()
 
-    def update(self, rnd: int, row: dict) -> None:
+    def update(self, rnd: int, row: dict, note: str = "") -> None:
+        """Round ``rnd``'s line; ``note`` (e.g. that the round aggregated nothing) is
+        added to it, and a round with a note gets a plain line even if not evaluated."""
         acc = row.get("acc_mean")
         if self._progress is not None:
             mb = (row["bytes_up"] + row["bytes_down"]) / 1e6
             acc_txt = "acc   -  " if acc is None or acc != acc else f"acc {acc:6.2%}"
             self._progress.update(self._task, completed=rnd,
-                                  info=f"{acc_txt}  {mb:8.2f} MB  {row['wall_s']:.2f}s/round")
-        if self._lines is not None and acc is not None and not math.isnan(acc):
-            self._lines.write(self.line(rnd, row) + "\n")
+                                  info=f"{acc_txt}  {mb:8.2f} MB  {row['wall_s']:.2f}s/round"
+                                  + (f"  {note}" if note else ""))
+        if self._lines is not None and (note or (acc is not None and not math.isnan(acc))):
+            self._lines.write(self.line(rnd, row, note) + "\n")
             self._lines.flush()
 
-    def line(self, rnd: int, row: dict) -> str:
+    def line(self, rnd: int, row: dict, note: str = "") -> str:
         """One evaluated round as a plain line: accuracy and its worst client, the round's
         megabytes, seconds per round so far and the time the rounds left would take."""
         per_round = (time.perf_counter() - self._began) / max(rnd - self.start, 1)
@@ -91,8 +94,11 @@ class RoundProgress:
         worst = row.get("acc_min", math.nan)
         worst_txt = "" if worst != worst else f" (worst {worst:.2%})"
         mb = (row["bytes_up"] + row["bytes_down"]) / 1e6
-        return (f"{self.label}: round {rnd}/{self.total}  acc {row['acc_mean']:.2%}{worst_txt}  "
-                f"{mb:.2f} MB  {per_round:.2f} s/round  ~{_duration(left)} left")
+        acc = row.get("acc_mean")
+        acc_txt = "-" if acc is None or acc != acc else f"{acc:.2%}"
+        return (f"{self.label}: round {rnd}/{self.total}  acc {acc_txt}{worst_txt}  "
+                f"{mb:.2f} MB  {per_round:.2f} s/round  ~{_duration(left)} left"
+                + (f"  [{note}]" if note else ""))
 
     def stopped(self, stop: dict | None) -> None:
         """Say that the run ended before its last round (``Rounds.stopped``): on the live

@@ -50,13 +50,14 @@ from edgepfl.engine.schedule import async_debt, async_edge_rounds, early_stop, r
 from edgepfl.engine.transport import (
     ClientReply,
     Delivery,
+    NothingTrained,
     TooFewReplies,
     Transport,
     check_runtime,
     client_times,
     deliver,
 )
-from edgepfl.federation.messages import Message, MessageError, check_finite
+from edgepfl.federation.messages import Message, MessageError, NonFiniteError, check_finite
 from edgepfl.federation.topology import CLOUD
 from edgepfl.privacy import round_privacy
 from edgepfl.system import FlopMeter, SystemModel, cost_totals, host_info, state_bytes
@@ -86,6 +87,8 @@ class Rounds:
         self._divergence_warned = False
         self._nonfinite_warned = False
         self._selected: list[int] = []
+        # this round's client replies: asked for, aggregated, rejected for NaN / Inf
+        self.round_asked = self.round_aggregated = self.round_nonfinite = 0
         # the transport's clients report the FLOPs of their work (the simulation's do)
         self.counting = self.flops.enabled and transport.counts_flops
         self.asynchronous = self.cfg.topology.mode == "async"
@@ -143,6 +146,7 @@ class Rounds:
             selected = _check_participants(self.server.participants(rnd, selected),
                                            self.federation.num_clients, rnd)
         self._selected = selected
+        self.round_asked = self.round_aggregated = self.round_nonfinite = 0
         if self.federation.hierarchical:
             row, losses = self._hierarchical_round(rnd, selected)
         else:
@@ -151,6 +155,10 @@ class Rounds:
                              if losses else math.nan)
         if losses:
             self._warn_if_diverged(rnd, row["train_loss"])
+        if self.round_nonfinite:
+            self._warn_nonfinite(rnd)
+        if self.round_aggregated and self.ledger.rounds_aggregated is not None:
+            self.ledger.rounds_aggregated += 1
         row["lr"] = round_lr(cfg, rnd)
         self.ledger.server_state_bytes = max(self.ledger.server_state_bytes, self._state_bytes())
         if (rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds
@@ -176,6 +184,52 @@ class Rounds:
                     "client's local training has diverged (lower train.lr, or check the data)",
                     rnd, loss, DIVERGED, guess)
 
+    def _warn_nonfinite(self, rnd: int) -> None:
+        """Once a run, say that replies came back with NaN or Inf values: their clients'
+        training diverged, though no loss of theirs reached ``train_loss``."""
+        if self._divergence_warned:
+            return
+        self._divergence_warned = True
+        log.warning("round %d: %d of the %d replies asked for had NaN or Inf values and were "
+                    "rejected: those clients' local training has diverged (lower train.lr, "
+                    "or check the data)", rnd, self.round_nonfinite, self.round_asked)
+
+    @property
+    def round_note(self) -> str:
+        """What the progress line says of the last round beside its figures: that it
+        aggregated nothing (every reply asked for failed or was rejected)."""
+        if self.round_aggregated or not self.round_asked:
+            return ""
+        return f"nothing aggregated: all {self.round_asked} replies failed"
+
+    def check_trained(self) -> None:
+        """Refuse to report a run in which no reply was ever aggregated: its model is the
+        untrained initial one, and its figures would read as a result (``NothingTrained``,
+        with the reasons the clients failed)."""
+        if self.round == 0 or self.ledger.rounds_aggregated != 0:
+            return
+        reasons: dict[str, int] = {}
+        example: dict[str, str] = {}
+        for entry in self.ledger.failure_log:
+            reason = entry["reason"]
+            kind = ("rejected: NaN or Inf values" if "NaN or Inf" in reason
+                    else reason.split(":")[0] if reason.startswith(("no reply", "rejected"))
+                    else reason)
+            reasons[kind] = reasons.get(kind, 0) + 1
+            example.setdefault(kind, f"client {entry['client']}: {reason}")
+        told = "; ".join(
+            f"{n} {kind}" + (f" (first, {example[kind]})" if kind in ("no reply", "rejected")
+                             else "")
+            for kind, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        diverged = bool(reasons) and set(reasons) == {"rejected: NaN or Inf values"}
+        raise NothingTrained(
+            f"no client's reply was aggregated in any of the run's {self.round} round(s) "
+            f"({told or 'no replies'})"
+            + ("; the clients' local training diverged: lower train.lr, or check the data"
+               if diverged else "")
+            + ". The model was never trained, so the run has no result to report; its "
+            "metrics.csv and failures.csv say what happened")
+
     def _train(self, step: object, down: dict[int, Message], losses: list) -> Delivery:
         """Deliver ``down`` to its clients, less the ones the fault model drops, and collect
         the replies. A reply later than ``faults.deadline``, a malformed one and a client
@@ -195,6 +249,8 @@ class Rounds:
                     self.check_reply(cid, reply)
                 except MessageError as exc:
                     delivery.rejected[cid] = str(exc)
+                    self.round_nonfinite += isinstance(exc, NonFiniteError)
+        self.round_asked += len(down)
         self._log_failures(step, delivery)
         self.privacy.trained(self.ledger, delivery)
         need = math.ceil(f.min_replies * len(down) - 1e-9)
@@ -204,6 +260,7 @@ class Rounds:
                 f"asked replied usably, faults.min_replies = {f.min_replies} needs {need} "
                 f"(failed: {delivery.failed[:20]}); the run stops before this round changes "
                 "anything on disk: resume it from its last checkpoint")
+        self.round_aggregated += len(delivery.arrived)
         for reply in delivery.arrived.values():
             if "train_loss" in reply.stats:
                 losses.append((reply.stats["train_loss"], reply.num_samples))

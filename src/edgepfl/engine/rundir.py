@@ -229,7 +229,7 @@ class ProgressLine(Hook):
         self.bar = RoundProgress(rounds.cfg.train.rounds, rounds.round, label, enabled)
 
     def after_round(self, rounds: Rounds, row: dict) -> None:
-        self.bar.update(rounds.round, row)
+        self.bar.update(rounds.round, row, rounds.round_note)
 
     def after_run(self, rounds: Rounds) -> None:
         self.bar.stopped(rounds.stopped)
@@ -289,6 +289,7 @@ def _run_rounds(rounds: Rounds, out: Path | None, label: str, progress: bool | N
     every = [*own, *hooks, *trackers]
     drive(rounds, [*every, ProgressLine(rounds, label, progress)])
     try:
+        rounds.check_trained()  # a run that aggregated nothing has no result to report
         summary = rounds.summary(**extra())
         if out is not None:
             finish_run_dir(out, rounds.cfg, summary, rounds.server, rounds.metrics)

@@ -35,6 +35,10 @@ class TooFewReplies(EdgepflError):
     """Fewer usable replies than ``faults.min_replies`` asks: the round cannot go on."""
 
 
+class NothingTrained(EdgepflError):
+    """No reply was aggregated in any round of a run: its model is the initial one."""
+
+
 class ClientFailure(Exception):
     """A client that was sent its message and did not reply usably (an error reply, no
     reply within the timeout, records that are not a message): what a transport returns

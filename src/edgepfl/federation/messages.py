@@ -168,9 +168,13 @@ def check_message(who: str, msg: Message, tensors: Mapping[str, torch.Tensor],
     check_meta(who, msg.meta, meta or {})
 
 
+class NonFiniteError(MessageError):
+    """A message's tensor holds NaN or Inf values (``check_finite``)."""
+
+
 def check_finite(who: str, msg: Message) -> None:
     """NaN or Inf in a floating tensor is never a model, a statistic or a logit."""
     for name, value in msg.tensors.items():
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise MessageError(f"{who} sent {name!r} with NaN or Inf values")
+            raise NonFiniteError(f"{who} sent {name!r} with NaN or Inf values")
 
