@@ -173,3 +173,80 @@ def test_a_round_where_every_test_loss_is_nan_leaks_no_numpy_warning():
         row = accuracy_row([0.1, 0.2], [math.nan, math.nan], np.array([3, 4]))
     assert math.isnan(row["loss"]) and row["acc_mean"] == pytest.approx(0.15)
 
+
+# -- 3. checked checkpoints -----------------------------------------------------------------
+def _float_tensor_at(path: Path) -> tuple[str, int]:
+    """A float32 tensor of a safetensors file and the file offset of its first value."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k, v in sorted(header.items())
+                if k != "__metadata__" and v["dtype"] == "F32"
+                and v["data_offsets"][1] > v["data_offsets"][0])
+    return name, 8 + n + header[name]["data_offsets"][0]
+
+
+def _finished(tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    start_run(fast_config("train.rounds=2", "algorithm.name=local"), out, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("damage", ["flipped exponent bit", "NaN written in"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
+    import struct
+
+    from edgepfl.engine.simulation import CHECKPOINT
+
+    out = _finished(tmp_path)
+    ckpt = out / CHECKPOINT
+    _, at = _float_tensor_at(ckpt)
+    raw = bytearray(ckpt.read_bytes())
+    if damage == "flipped exponent bit":
+        raw[at + 3] ^= 0x40
+    else:
+        raw[at:at + 4] = struct.pack("<f", float("nan"))
+    ckpt.write_bytes(bytes(raw))
+    before = _files(out)
+    with pytest.raises(EdgepflError, match=f"{ckpt} is damaged: its contents do not match"):
+        resume_run(out, progress=False, overrides=["train.rounds=3"])
+    assert _files(out) == before
+
+
+def test_a_checkpoint_without_a_hash_is_read_with_a_warning_but_never_with_nan(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    from edgepfl.engine.simulation import CHECKPOINT
+
+    out = _finished(tmp_path)
+    ckpt = out / CHECKPOINT
+    from safetensors import safe_open
+    with safe_open(str(ckpt), "pt") as f:
+        meta = {"edgepfl": f.metadata()["edgepfl"]}
+    tensors = load_file(ckpt)
+    save_file(tensors, ckpt, metadata=meta)  # as written before checkpoints had a hash
+    assert resume_run(out, progress=False, overrides=["train.rounds=3"]).summary["rounds"] == 3
+    assert "carries no hash of its contents" in caplog.text
+    start_run(fast_config("train.rounds=2", "algorithm.name=local"), tmp_path / "b",
+              progress=False)
+    tensors = load_file(tmp_path / "b" / CHECKPOINT)
+    name, _ = _float_tensor_at(tmp_path / "b" / CHECKPOINT)
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, tmp_path / "b" / CHECKPOINT, metadata=meta)
+    with pytest.raises(EdgepflError, match=f"tensor {name!r} holds NaN or Inf values, which "
+                                           "it carries no hash to tell from damage"):
+        resume_run(tmp_path / "b", progress=False, overrides=["train.rounds=3"])
+
+
+def test_tensors_that_held_nan_when_written_read_back(tmp_path):
+    import torch
+
+    from edgepfl.io import read_tensors, write_tensors
+
+    state = {"diverged": torch.tensor([1.0, float("nan")]), "w": torch.ones(3),
+             "n": torch.arange(4)}
+    write_tensors(tmp_path / "c.safetensors", state, {"round": 1})
+    back, meta = read_tensors(tmp_path / "c.safetensors")
+    assert meta == {"round": 1} and torch.equal(back["w"], state["w"])
+    assert torch.isnan(back["diverged"][1])
+

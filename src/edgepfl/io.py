@@ -7,8 +7,10 @@ target, so a crash (or Ctrl-C) leaves either the old or the new version, never a
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
+import logging
 import math
 import os
 import tempfile
@@ -116,13 +118,42 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
            torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
+# a file's hash and the tensors that held NaN or Inf when it was written, in its header
+HASH_KEY, NONFINITE_KEY = "edgepfl_sha256", "edgepfl_nonfinite"
+_PLACEHOLDER = "0" * 64
+
+
+def _hash_slot(head: bytes, digest: str) -> int:
+    """Where in a header the hex digest of ``HASH_KEY`` starts (-1: not there). A JSON
+    string value cannot hold this byte sequence (its quotes would be escaped)."""
+    key = f'"{HASH_KEY}":"'.encode()
+    at = head.find(key + digest.encode() + b'"')
+    return -1 if at < 0 else at + len(key)
+
+
+def _nonfinite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether a floating tensor holds NaN or Inf (read in chunks: no second copy)."""
+    if not t.is_floating_point() or not t.numel():
+        return False
+    flat = t.detach().reshape(-1)
+    return any(not bool(torch.isfinite(flat[i:i + chunk]).all())
+               for i in range(0, flat.numel(), chunk))
+
+
 def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], meta: dict) -> None:
     """Tensors and their JSON metadata in one safetensors file, atomically. The file is
     streamed one tensor at a time, so writing a checkpoint needs no second copy of the
-    state in memory (a federation's whole state can be most of the machine's memory)."""
-    header: dict = {"__metadata__": {"edgepfl": json.dumps(_clean(meta))}}
-    offset = 0
+    state in memory (a federation's whole state can be most of the machine's memory).
+
+    Its header also holds the SHA-256 of the whole file (taken with the digest's own
+    place zeroed) and the names of the tensors that hold NaN or Inf, so that
+    ``read_tensors`` refuses a file changed since (a flipped bit, a value written in)."""
     order = sorted(tensors)
+    nonfinite = [name for name in order if _nonfinite(tensors[name])]
+    header: dict = {"__metadata__": {"edgepfl": json.dumps(_clean(meta)),
+                                     NONFINITE_KEY: json.dumps(nonfinite),
+                                     HASH_KEY: _PLACEHOLDER}}
+    offset = 0
     for name in order:
         t = tensors[name]
         if t.dtype not in _DTYPES:
@@ -133,17 +164,27 @@ def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], meta: dict) -
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    slot = _hash_slot(head, _PLACEHOLDER)
 
     def write(f) -> None:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
+        digest = hashlib.sha256()
+
+        def put(data) -> None:
+            f.write(data)
+            digest.update(data)
+
+        put(len(head).to_bytes(8, "little"))
+        put(head)
         for name in order:
             t = tensors[name].detach()
             if t.device.type != "cpu":
                 t = t.cpu()
             t = t.contiguous()
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                put(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.seek(8 + slot)
+        f.write(digest.hexdigest().encode())
+        f.seek(0, os.SEEK_END)
 
     write_atomic(path, write)
 
@@ -167,13 +208,65 @@ def write_atomic(path: Path, write) -> None:
 
 def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """A file of ``write_tensors``: its tensors (read through a memory map, without a
-    second copy of the file in memory) and its JSON metadata."""
+    second copy of the file in memory) and its JSON metadata. A file whose bytes do not
+    match the hash written with them, or a tensor that holds NaN or Inf it did not hold
+    when written, is refused naming the file. A file written before files carried a hash
+    is read unverified, with a warning."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("edgepfl", "{}"))
+            header = f.metadata() or {}
+            meta = json.loads(header.get("edgepfl", "{}"))
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except OSError as exc:
         raise EdgepflError(f"cannot read {path}: {exc}") from None
     except (SafetensorError, ValueError, json.JSONDecodeError) as exc:
         raise EdgepflError(f"{path} is not a valid edgepfl checkpoint: {exc}") from None
+    if HASH_KEY not in header:
+        # written before files carried a hash (or by another tool): read, but unverified,
+        # and none of its tensors may hold NaN or Inf, since nothing tells which did
+        logging.getLogger("edgepfl").warning(
+            "%s carries no hash of its contents (written before edgepfl checked them, or "
+            "by another program): it is read unverified", path)
+        allowed: set = set()
+    else:
+        _check_hash(Path(path), header[HASH_KEY])
+        try:
+            allowed = set(json.loads(header.get(NONFINITE_KEY, "[]")))
+        except (ValueError, TypeError):
+            raise EdgepflError(f"{path} is not a valid edgepfl checkpoint: its list of "
+                               "non-finite tensors is malformed") from None
+    for name, t in tensors.items():
+        if name not in allowed and _nonfinite(t):
+            raise EdgepflError(
+                f"{path} is damaged: its tensor {name!r} holds NaN or Inf values, which it "
+                + ("did not when the file was written" if HASH_KEY in header else
+                   "carries no hash to tell from damage (a file written before edgepfl "
+                   "hashed them)")
+                + "; it is not loaded (go on from a copy of the run, or start a new run)")
     return tensors, meta
+
+
+def _check_hash(path: Path, stored: object, chunk: int = 1 << 24) -> None:
+    """Refuse ``path`` unless its SHA-256, its digest's place zeroed, is ``stored``."""
+    damaged = (f"{path} is damaged: its contents do not match the SHA-256 written with them "
+               "(a changed byte, a flipped bit); it is not loaded (go on from a copy of the "
+               "run, or start a new run)")
+    if not isinstance(stored, str) or len(stored) != 64 or \
+            any(c not in "0123456789abcdef" for c in stored):
+        raise EdgepflError(damaged)
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            size = f.read(8)
+            head = f.read(int.from_bytes(size, "little"))
+            slot = _hash_slot(head, stored)
+            if slot < 0:
+                raise EdgepflError(damaged)
+            digest.update(size)
+            digest.update(head[:slot] + _PLACEHOLDER.encode() + head[slot + 64:])
+            while block := f.read(chunk):
+                digest.update(block)
+    except OSError as exc:
+        raise EdgepflError(f"cannot read {path}: {exc}") from None
+    if digest.hexdigest() != stored:
+        raise EdgepflError(damaged)
