@@ -250,3 +250,93 @@ def test_tensors_that_held_nan_when_written_read_back(tmp_path):
     assert meta == {"round": 1} and torch.equal(back["w"], state["w"])
     assert torch.isnan(back["diverged"][1])
 
+
+# -- 4. the default reply check is exact; a client that raises is a failed client -----------
+def _plugin(monkeypatch, misbehave):
+    """A plug-in as an author writes one: FedAvg's parts with the default check_reply,
+    whose client ``misbehave(cid, result)`` may spoil (or raise in)."""
+    import dataclasses
+
+    from edgepfl.algorithms import ALGORITHMS
+    from edgepfl.algorithms.base import Server
+    from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgServer
+
+    class PlainServer(FedAvgServer):
+        check_reply = Server.check_reply  # what a plug-in that writes none gets
+
+    class SpoilingClient(FedAvgClient):
+        batchable = False
+
+        def update(self, cid, msg, state, data, gen):
+            return misbehave(cid, super().update(cid, msg, state, data, gen))
+
+    algo = dataclasses.replace(ALGORITHMS["fedavg"], name="plain", server=PlainServer,
+                               client=SpoilingClient)
+    monkeypatch.setitem(ALGORITHMS, "plain", algo)
+
+
+def _spoil(cid, result):
+    import dataclasses
+
+    import torch
+
+    from edgepfl.federation.messages import Message
+
+    tensors, meta = dict(result.reply.tensors), dict(result.reply.meta)
+    if cid == 0:
+        del tensors[sorted(tensors)[0]]  # a parameter missing
+    elif cid == 1:
+        tensors["extra"] = torch.zeros(3)  # a tensor nobody asked for
+    elif cid == 2:
+        meta["num_samples"] = -5
+    elif cid == 3:
+        raise RuntimeError("boom in client 3")
+    elif cid == 4:
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].double()
+    return dataclasses.replace(result, reply=Message(tensors, meta))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_replies_and_a_raising_client_are_failed_clients_not_a_crash(tmp_path, monkeypatch,
+                                                                         workers):
+    import csv
+
+    _plugin(monkeypatch, _spoil)
+    out = tmp_path / "run"
+    result = start_run(fast_config("algorithm.name=plain", "train.rounds=2",
+                                   f"train.workers={workers}"), out, progress=False)
+    assert [r["clients_failed"] for r in result.metrics] == [5, 5]
+    assert result.summary["clients_failed_per_client"] == [2, 2, 2, 2, 2, 0]
+    with open(out / "failures.csv") as f:
+        reasons = {int(r["client"]): r["reason"] for r in csv.DictReader(f)}
+    assert "rejected: client 0's reply lacks" in reasons[0]
+    assert "rejected: client 1 sent an unknown tensor 'extra'" in reasons[1]
+    assert "rejected: client 2 sent num_samples = -5; expected a positive integer" in reasons[2]
+    assert reasons[3] == "no reply: its update raised RuntimeError: boom in client 3"
+    assert "rejected: client 4 sent" in reasons[4] and "torch.float64" in reasons[4]
+
+
+def test_a_run_whose_every_client_raises_says_why_it_trained_nothing(monkeypatch):
+    from edgepfl.engine.simulation import Simulation
+    from edgepfl.engine.transport import NothingTrained
+
+    def always(cid, result):
+        raise ValueError(f"client {cid} cannot")
+
+    _plugin(monkeypatch, always)
+    with pytest.raises(NothingTrained, match=r"12 no reply \(first, client 0: no reply: its "
+                                             r"update raised ValueError: client 0 cannot\)"):
+        Simulation(fast_config("algorithm.name=plain", "train.rounds=2"), progress=False).run()
+
+
+def test_a_setting_refused_in_a_client_step_still_stops_the_run(monkeypatch):
+    from edgepfl.engine.simulation import Simulation
+
+    def refuse(cid, result):
+        raise ConfigError("train.something = 3 cannot work here; set it to 2")
+
+    _plugin(monkeypatch, refuse)
+    with pytest.raises(ConfigError, match="set it to 2"):
+        Simulation(fast_config("algorithm.name=plain", "train.rounds=1"), progress=False).run()
+

@@ -29,7 +29,7 @@ from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import TrainConfig
 from edgepfl.federation.aggregate import ParamIndex
-from edgepfl.federation.messages import Message, check_entries
+from edgepfl.federation.messages import Message, MessageError, check_entries
 from edgepfl.federation.state import load_state, save_state
 from edgepfl.federation.store import MEMORY, Stacks
 from edgepfl.models.layers import LayerSpec
@@ -278,9 +278,12 @@ class Server(Stateful, ABC):
         clients send; called for every reply before ``aggregate``, which then sees only
         replies that passed (the engine has already refused NaN/Inf and oversized ones).
         It changes nothing: a refused reply must leave the round as if it never came.
-        The default checks only the entries named like the client's model parameters; an
-        algorithm states its exact reply with ``check_message`` (every tensor's name,
-        shape and dtype, every metadata value's form), so that ``aggregate`` need not."""
+        The default (``check_model_entries``) takes FedAvg's reply: exactly the client's
+        model (every parameter and buffer, of its shape and dtype, no other tensor) and a
+        positive integer ``num_samples``; an algorithm whose clients send anything else
+        (a subset, extra tensors) states its exact reply with ``check_message`` (every
+        tensor's name, shape and dtype, every metadata value's form), so that
+        ``aggregate`` need not."""
         check_model_entries(self.ctx, cid, reply)
 
     def observe_times(self, rnd: int, times: dict[int, float],
@@ -358,8 +361,16 @@ class Edge(Stateful, ABC):
 
 
 def check_model_entries(ctx: ServerContext, cid: int, reply: Message) -> None:
-    """Tensors named like a parameter of client ``cid``'s model have its shape and dtype."""
-    check_entries(f"client {cid}", reply.tensors, ctx.model_of(cid))
+    """The default reply check: exactly client ``cid``'s model (every tensor of it, of its
+    shape and dtype, and no other tensor) and a positive integer ``num_samples`` in the
+    metadata (other metadata is the algorithm's own). A reply that fails is refused: a
+    failed client, never an error in ``aggregate``."""
+    who = f"client {cid}"
+    check_entries(who, reply.tensors, ctx.model_of(cid), required=True, unknown=False)
+    n = reply.meta.get("num_samples")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise MessageError(f"{who} sent num_samples = {n!r}; expected a positive integer "
+                           "(the samples it trained on)")
 
 
 class Client(ABC):

@@ -49,9 +49,9 @@ from edgepfl.engine.rundir import (
     save_checkpoint,
     with_before,
 )
-from edgepfl.engine.transport import ClientReply, Figures, Transport
+from edgepfl.engine.transport import ClientFailure, ClientReply, Figures, Transport
 from edgepfl.engine.workers import WorkerPool, worker_count
-from edgepfl.errors import ConfigError, EdgepflError
+from edgepfl.errors import ConfigError, DataError, EdgepflError
 from edgepfl.federation.messages import Message
 from edgepfl.federation.store import StackedStore, sendable
 from edgepfl.io import read_json, write_json
@@ -147,6 +147,9 @@ class InProcess(Transport):
         else:
             done = map(self._worker_task, tasks())
         for cid, new_state, reply, stats, flops in done:
+            if isinstance(reply, ClientFailure):  # its update raised: a failed client
+                replies[cid] = reply
+                continue
             counted = (self.flops.record(keys[cid], flops) if flops is not None
                        else self.flops.reuse(keys[cid]))
             self.store.set_row(cid, new_state)
@@ -161,8 +164,13 @@ class InProcess(Transport):
             return self._evaluate_task(task[1])
         _, step, cid, msg, state, count = task
         part = self.parts[self.arch[cid]]
-        with FlopMeter(enabled=count, cache=False).measure() as counted:
-            result = client_step(self.cfg, part, step, cid, msg, state, self.train_data[cid])
+        try:
+            with FlopMeter(enabled=count, cache=False).measure() as counted:
+                result = client_step(self.cfg, part, step, cid, msg, state, self.train_data[cid])
+        except _SETTINGS:  # a setting or the data is wrong: every client would fail alike
+            raise
+        except Exception as exc:  # the client fails, not the run; its state stays as it was
+            return cid, None, _raised(exc), None, None
         return cid, result.state, result.reply, result.stats, counted.flops
 
     def _train_batched(self, tasks: list[tuple]) -> list[tuple]:
@@ -177,8 +185,14 @@ class InProcess(Transport):
             request = None
             part = self.parts[self.arch[cid]]
             if not count and states_fit(part):
-                with as_client(self.cfg, part, step, cid) as gen:
-                    request = part.fit_request(cid, msg, state, self.train_data[cid], gen)
+                try:
+                    with as_client(self.cfg, part, step, cid) as gen:
+                        request = part.fit_request(cid, msg, state, self.train_data[cid], gen)
+                except _SETTINGS:
+                    raise
+                except Exception as exc:
+                    out[cid] = (cid, None, _raised(exc), None, None)
+                    continue
             if request is None:
                 out[cid] = self._worker_task(task)
             else:
@@ -190,7 +204,13 @@ class InProcess(Transport):
             part, trainer = self.parts[arch], jobs[0][-1]
             trained = trainer.fit_many([job[3] for job in jobs])
             for (cid, msg, state, *_), (weights, stats) in zip(jobs, trained, strict=True):
-                result = part.finish(cid, msg, state, self.train_data[cid], weights, stats)
+                try:
+                    result = part.finish(cid, msg, state, self.train_data[cid], weights, stats)
+                except _SETTINGS:
+                    raise
+                except Exception as exc:
+                    out[cid] = (cid, None, _raised(exc), None, None)
+                    continue
                 out[cid] = (cid, result.state, result.reply, result.stats, None)
         return [out[task[2]] for task in tasks]
 
@@ -223,6 +243,16 @@ class InProcess(Transport):
         arch = self.arch[cid]
         return cid, evaluate_client(self.parts[arch], self.trainers[arch], cid, state, eval_msg,
                                     self.train_data[cid], self.test_data[cid], self.val_data[cid])
+
+
+# what a client step may raise that stops the run: the user's to fix, not the client's
+_SETTINGS = (ConfigError, DataError)
+
+
+def _raised(exc: Exception) -> ClientFailure:
+    """A client whose update raised ``exc``: a failed client, the exception its reason."""
+    log.debug("a client's update raised", exc_info=exc)
+    return ClientFailure(f"its update raised {type(exc).__name__}: {exc}")
 
 
 class Simulation:
