@@ -27,6 +27,7 @@ from edgepfl.algorithms import (
     pfedbayes,
     pfedla,
     pfedme,
+    scaffold,
 )
 from edgepfl.algorithms.base import (
     Algorithm,
@@ -64,6 +65,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     pfedme.ALGORITHM,
     l2sgd.ALGORITHM,
     *hmpl.ALGORITHMS,
+    scaffold.ALGORITHM,
 )}
 
 
