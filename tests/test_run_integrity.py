@@ -3,6 +3,12 @@ training, checked checkpoints and checked replies (issue 60)."""
 
 import json
 import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -340,3 +346,51 @@ def test_a_setting_refused_in_a_client_step_still_stops_the_run(monkeypatch):
     with pytest.raises(ConfigError, match="set it to 2"):
         Simulation(fast_config("algorithm.name=plain", "train.rounds=1"), progress=False).run()
 
+
+# -- 7. compare --jobs workers end with their parent ------------------------------------------
+MIDDLE = textwrap.dedent("""
+    import concurrent.futures as cf, multiprocessing as mp, os, sys, time
+    from edgepfl.report.runs import _start_worker
+
+    if __name__ == "__main__":
+        pool = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"),
+                                      initializer=_start_worker, initargs=(1, None, os.getpid()))
+        futures = [pool.submit(time.sleep, 300) for _ in range(2)]
+        while len(pool._processes) < 2:
+            time.sleep(0.1)
+        time.sleep(8)  # the workers have started (and run their initializer)
+        print(" ".join(str(p) for p in pool._processes), flush=True)
+        time.sleep(300)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_compare_workers_end_when_their_parent_is_killed(tmp_path):
+    script = tmp_path / "middle.py"
+    script.write_text(MIDDLE)
+    middle = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        workers = [int(p) for p in middle.stdout.readline().split()]
+        assert len(workers) == 2 and all(_alive(p) for p in workers)
+        middle.send_signal(signal.SIGKILL)
+        middle.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in workers), "a worker outlived its parent"
+    finally:
+        middle.kill()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -124,7 +124,8 @@ def _run_in_workers(runs: list[PlannedRun], out: Path, jobs: int, threads: int,
     level = (logging.getLevelName(log.level).lower()
              if any(getattr(h, "_edgepfl", False) for h in log.handlers) else None)
     pool = cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"),
-                                  initializer=_start_worker, initargs=(threads, level))
+                                  initializer=_start_worker,
+                                  initargs=(threads, level, os.getpid()))
     waiting = iter(runs)
     running: dict[cf.Future, PlannedRun] = {}
     broken = ""
@@ -164,7 +165,39 @@ def _run_in_workers(runs: list[PlannedRun], out: Path, jobs: int, threads: int,
     pool.shutdown(wait=True)
 
 
-def _start_worker(threads: int, log_level: str | None) -> None:
+def exit_with_parent(parent: int) -> None:
+    """End this process when ``parent`` ends, however it ends (SIGKILL too): on Linux the
+    kernel sends it SIGTERM then (``PR_SET_PDEATHSIG``); elsewhere a thread watches
+    for the parent's going. A worker whose parent is gone would otherwise finish its
+    run and then wait forever for the next one, holding its memory."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(1, signal.SIGTERM, 0, 0, 0) == 0:  # 1: PR_SET_PDEATHSIG
+                if os.getppid() != parent:  # it went before the call took effect
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="edgepfl-parent-watch", daemon=True).start()
+
+
+def _start_worker(threads: int, log_level: str | None, parent: int | None = None) -> None:
+    if parent is not None:
+        exit_with_parent(parent)
     import torch
 
     torch.set_num_threads(threads)
