@@ -6,6 +6,7 @@ from __future__ import annotations
 from edgepfl.algorithms import (
     clusterfl,
     dcpfl,
+    ditto,
     fedamp,
     fedavg,
     fedbabu,
@@ -66,6 +67,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     l2sgd.ALGORITHM,
     *hmpl.ALGORITHMS,
     scaffold.ALGORITHM,
+    ditto.ALGORITHM,
 )}
 
 
