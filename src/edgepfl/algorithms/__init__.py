@@ -15,6 +15,7 @@ from edgepfl.algorithms import (
     fedper,
     fedproto,
     fedprox,
+    fedrep,
     heterofl,
     hierbayes,
     hierfavg,
@@ -68,6 +69,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     *hmpl.ALGORITHMS,
     scaffold.ALGORITHM,
     ditto.ALGORITHM,
+    fedrep.ALGORITHM,
 )}
 
 
