@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from edgepfl.algorithms import (
+    apfl,
     clusterfl,
     dcpfl,
     ditto,
@@ -70,6 +71,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     scaffold.ALGORITHM,
     ditto.ALGORITHM,
     fedrep.ALGORITHM,
+    apfl.ALGORITHM,
 )}
 
 
