@@ -113,3 +113,21 @@ def test_sample_level_privacy_accounts_both_trainings():
                "train.rounds=1", "algorithm.personal_epochs=2")
     sim.run()
     assert sim.metrics[0]["epsilon"] > 0
+
+
+def test_flower_run_equals_the_simulation():
+    """What a client keeps lives in each node's Context.state on Flower."""
+    pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
+    import json
+
+    from edgepfl.engine.flower import run_local
+    from tests.test_flower import run_config
+
+    rc = {**run_config(algorithm__name="ditto"), "train.participation": 0.67}
+    sim = Simulation(fast_config(*[f"{k}={json.dumps(v) if isinstance(v, bool) else v}"
+                                  for k, v in rc.items()]), progress=False).run()
+    result = run_local(rc)
+    assert len(result.metrics) == len(sim.metrics) == 2
+    for ours, theirs in zip(result.metrics, sim.metrics, strict=True):
+        for key in ("acc_mean", "acc_min", "loss", "train_loss", "bytes_up", "bytes_down"):
+            assert ours[key] == theirs[key], (ours["round"], key)

@@ -136,3 +136,21 @@ def test_sample_level_privacy_runs_and_client_level_is_refused():
     assert any(bool(c.abs().sum() > 0) for c in sim.server.control.values())
     with pytest.raises(EdgepflError, match="control variate"):
         _sim("scaffold", "privacy.level=client", "privacy.noise_multiplier=1")
+
+
+def test_flower_run_equals_the_simulation():
+    """What a client keeps lives in each node's Context.state on Flower."""
+    pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
+    import json
+
+    from edgepfl.engine.flower import run_local
+    from tests.test_flower import run_config
+
+    rc = {**run_config(algorithm__name="scaffold"), "train.participation": 0.67}
+    sim = Simulation(fast_config(*[f"{k}={json.dumps(v) if isinstance(v, bool) else v}"
+                                  for k, v in rc.items()]), progress=False).run()
+    result = run_local(rc)
+    assert len(result.metrics) == len(sim.metrics) == 2
+    for ours, theirs in zip(result.metrics, sim.metrics, strict=True):
+        for key in ("acc_mean", "acc_min", "loss", "train_loss", "bytes_up", "bytes_down"):
+            assert ours[key] == theirs[key], (ours["round"], key)
