@@ -347,6 +347,29 @@ def test_a_setting_refused_in_a_client_step_still_stops_the_run(monkeypatch):
         Simulation(fast_config("algorithm.name=plain", "train.rounds=1"), progress=False).run()
 
 
+# -- 16. noise ---------------------------------------------------------------------------------
+def test_ctrl_c_names_the_run_directory_to_resume(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import edgepfl.engine.simulation as simulation
+    from edgepfl.cli import main
+
+    def interrupted(cfg, out, **kwargs):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulation, "start_run", interrupted)
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["run", *FAST, "--out", str(out), "--quiet"])
+    assert res.exit_code == 130
+    assert f"continue with edgepfl run --resume {out})" in res.output
+    assert "RUN_DIR" not in res.output
+    monkeypatch.chdir(tmp_path)  # the default directory, made up before the run starts
+    res = CliRunner().invoke(main, ["run", *FAST, "--quiet"])
+    assert res.exit_code == 130 and "--resume runs/fedavg-synthetic-" in res.output
+
+
 # -- 7. compare --jobs workers end with their parent ------------------------------------------
 MIDDLE = textwrap.dedent("""
     import concurrent.futures as cf, multiprocessing as mp, os, sys, time

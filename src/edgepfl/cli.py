@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -12,9 +13,12 @@ import click
 from edgepfl.errors import EdgepflError
 
 
-def _user_errors(on_interrupt: str):
+def _user_errors(on_interrupt: str | Callable[[], str]):
     """Bad input -> one readable message on stderr and exit code 2, no traceback;
-    ``on_interrupt`` says how to go on after Ctrl-C."""
+    ``on_interrupt`` says how to go on after Ctrl-C (a function: asked then)."""
+    def how() -> str:
+        return on_interrupt() if callable(on_interrupt) else on_interrupt
+
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -24,17 +28,28 @@ def _user_errors(on_interrupt: str):
                 # "error", but the status a pipe's writer gets (141), and for a command cut
                 # off part-way, how to go on
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                if on_interrupt:
-                    click.echo(f"output closed; {on_interrupt}", err=True)
+                if how():
+                    click.echo(f"output closed; {how()}", err=True)
                 sys.exit(141)
             except (EdgepflError, OSError) as exc:  # OSError: an unwritable folder, a full disk
                 click.echo(f"error: {exc}", err=True)
                 sys.exit(2)
             except KeyboardInterrupt:
-                click.echo(f"interrupted; {on_interrupt}", err=True)
+                click.echo(f"interrupted; {how()}", err=True)
                 sys.exit(130)
         return wrapper
     return decorate
+
+
+# the run directory of the command running in this process, for the Ctrl-C message
+_RUN_DIR: dict[str, Path] = {}
+
+
+def _how_to_resume(run_dir: Path | None) -> str:
+    if run_dir is not None and not (run_dir / "config.json").exists():
+        return "nothing of the run was kept: the same command starts it again"
+    return ("the last checkpoint is intact (continue with edgepfl run --resume "
+            f"{run_dir if run_dir is not None else 'RUN_DIR'})")
 
 
 def _progress_flag(quiet: bool) -> bool | None:
@@ -134,7 +149,7 @@ def main(log_level: str) -> None:
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=int, help=THREADS_HELP)
 @_plugin_option
-@_user_errors("the last checkpoint is intact (continue with --resume RUN_DIR)")
+@_user_errors(lambda: _how_to_resume(_RUN_DIR.get("dir")))
 def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         resume: Path | None, quiet: bool, threads: int | None, plugins: tuple[str, ...]) -> None:
     """Run one algorithm. With no arguments: FedAvg on digits, 10 clients, Dirichlet 0.3."""
@@ -143,7 +158,9 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
     from edgepfl.io import read_json
 
     _threads(threads)
+    _RUN_DIR.pop("dir", None)
     if resume is not None:
+        _RUN_DIR["dir"] = resume
         if not resume.is_dir():
             raise EdgepflError(f"--resume {resume}: no such run directory"
                                + (" (it is a file)" if resume.exists() else ""))
@@ -173,7 +190,11 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         result = resume_run(resume, cfg, progress=_progress_flag(quiet),
                             overrides=None if config else list(overrides))
     else:
+        from edgepfl.engine.rundir import default_run_dir
+
         cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
+        out = out if out is not None else default_run_dir(cfg)
+        _RUN_DIR["dir"] = out
         result = start_run(cfg, out, progress=_progress_flag(quiet))
     _print_summary(result.summary, result.out_dir)
 
