@@ -370,6 +370,25 @@ def test_ctrl_c_names_the_run_directory_to_resume(tmp_path, monkeypatch):
     assert res.exit_code == 130 and "--resume runs/fedavg-synthetic-" in res.output
 
 
+def test_a_privacy_budget_stop_is_said_once_and_a_live_line_takes_it(caplog):
+    import logging
+
+    from edgepfl.engine.progress import RoundProgress
+    from edgepfl.engine.simulation import Simulation
+
+    caplog.set_level(logging.INFO, logger="edgepfl")
+    sim = Simulation(fast_config("privacy.level=client", "privacy.noise_multiplier=1.0",
+                                 "privacy.target_epsilon=5.0", "train.rounds=5"), progress=False)
+    assert sim.run().summary["rounds"] == 1
+    assert caplog.text.count("the privacy budget: round 2 would spend") == 1
+    # the default delta, 1 / 6 clients, is warned of
+    assert "delta 0.166667 (the default, 1 / clients) is at least 1 / 6 clients" in caplog.text
+    # a live line (a terminal) with a stop that has no best round: no KeyError
+    bar = RoundProgress(5, 0, "x", enabled=True)
+    bar.stopped(sim.rounds.stopped)
+    bar.close()
+
+
 # -- 7. compare --jobs workers end with their parent ------------------------------------------
 MIDDLE = textwrap.dedent("""
     import concurrent.futures as cf, multiprocessing as mp, os, sys, time

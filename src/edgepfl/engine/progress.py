@@ -105,10 +105,13 @@ class RoundProgress:
         line, and in the log, which is all a run without a terminal shows."""
         if stop is None:
             return
-        log.info("stopped early after round %d: %s", stop["round"], stop["reason"])
+        if "best_round" in stop:  # a privacy budget's stop was logged where it was decided
+            log.info("stopped early after round %d: %s", stop["round"], stop["reason"])
         if self._progress is not None:
-            self._progress.update(self._task, total=stop["round"],
-                                  info=f"stopped early: no gain since round {stop['best_round']}")
+            # a privacy budget's stop has no best round (schedule.early_stop's has)
+            why = (f"no gain since round {stop['best_round']}" if "best_round" in stop
+                   else f"after round {stop['round']}")
+            self._progress.update(self._task, total=stop["round"], info=f"stopped early: {why}")
 
     def close(self) -> None:
         if self._progress is not None:

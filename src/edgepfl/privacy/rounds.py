@@ -134,6 +134,13 @@ class ClientPrivacy(_Budgeted):
         self.groups = groups_of([(n, len(select_clients(0, 1, n, share))) for n in sizes])
         self.delta = self.p.delta if self.p.delta is not None else 1.0 / fed.num_clients
         self.counts = Clipped()
+        if self.delta >= 1.0 / fed.num_clients:
+            log.warning("privacy: delta %g (%s) is at least 1 / %d clients: a mechanism that "
+                        "publishes one client's data whole meets such a guarantee; set "
+                        "privacy.delta well under 1 / clients (e.g. %.2g) for a meaningful "
+                        "epsilon", self.delta,
+                        "privacy.delta" if self.p.delta is not None else "the default, 1 / clients",
+                        fed.num_clients, 0.1 / fed.num_clients)
         self.check_budget(None)
         log.info("privacy: client level, %s; epsilon after train.rounds = %d: %.4g (delta %g)",
                  SAMPLING, cfg.train.rounds, self.epsilon(None, cfg.train.rounds), self.delta)
