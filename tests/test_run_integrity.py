@@ -389,6 +389,44 @@ def test_a_privacy_budget_stop_is_said_once_and_a_live_line_takes_it(caplog):
     bar.close()
 
 
+def _partition_ticks(monkeypatch, tmp_path, n, **kwargs) -> list[str]:
+    import numpy as np
+
+    import edgepfl.plotting as plotting
+
+    figures = []
+    monkeypatch.setattr(plotting, "save_figure", lambda fig, path: figures.append(fig))
+    counts = np.arange(n * 3).reshape(n, 3) + 1
+    plotting.plot_partition(counts, tmp_path / "p.png", ["a", "b", "c"], **kwargs)
+    fig = figures[0]
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    return [t.get_text() for t, x in zip(ax.get_xticklabels(), ax.get_xticks(), strict=True)
+            if lo <= x <= hi]
+
+
+def test_partition_plots_number_whole_clients_and_name_them_where_named(monkeypatch, tmp_path):
+    ticks = _partition_ticks(monkeypatch, tmp_path, 4)
+    assert ticks and all(t.isdigit() for t in ticks), ticks  # no 0.5, 1.5, ...
+    names = ["alice", "bob", "carol", "dave"]
+    assert _partition_ticks(monkeypatch, tmp_path, 4, names=names) == names
+
+
+def test_table_headers_name_the_partition_with_its_own_skew():
+    from edgepfl.plotting import partition_words
+
+    assert partition_words({"scheme": "natural", "alpha": 0.3}) == "natural"
+    assert partition_words({"scheme": "dirichlet", "alpha": 0.3}) == "dirichlet (alpha 0.3)"
+    assert partition_words({"scheme": "pathological", "alpha": 0.3,
+                            "classes_per_client": 2}) == "pathological (2 classes per client)"
+    from edgepfl.config import build_config
+    from edgepfl.report.compare import _header
+
+    line = _header(build_config({}, ["partition.scheme=natural"]), [0], [])[2]
+    assert "partition natural, " in line and "alpha" not in line
+
+
 # -- 7. compare --jobs workers end with their parent ------------------------------------------
 MIDDLE = textwrap.dedent("""
     import concurrent.futures as cf, multiprocessing as mp, os, sys, time

@@ -33,6 +33,17 @@ def _evaluated(metrics: Sequence[dict]) -> list[dict]:
     return [r for r in metrics if not math.isnan(_number(r.get("acc_mean")))]
 
 
+def partition_words(partition: Mapping) -> str:
+    """A partition's scheme with the skew that belongs to it, for a table's header:
+    "dirichlet (alpha 0.3)", "pathological (2 classes per client)", "natural"."""
+    scheme = partition.get("scheme")
+    skew = {"dirichlet": ("alpha", "alpha {}"),
+            "pathological": ("classes_per_client", "{} classes per client")}
+    key, text = skew.get(scheme, (None, ""))  # type: ignore[arg-type]
+    value = partition.get(key) if key else None
+    return f"{scheme} ({text.format(value)})" if value is not None else str(scheme)
+
+
 def setting_line(config: Mapping | None, skip: Sequence[str] = ()) -> str:
     """What a figure's curves were run on, from a configuration (``Config.model_dump()`` or
     a run's config.json): data set, clients, partition with its skew, rounds. ``skip``
@@ -159,12 +170,30 @@ def _number(value) -> float:
 BARS_UP_TO = 200  # clients drawn as stacked bars; more as a heatmap
 
 
+def _client_ticks(ax, order: np.ndarray, names: Sequence[str] | None) -> bool:
+    """Whole clients on the x axis (never 2.5), each tick the id of the client drawn there
+    (``order``), or its name where the data names its clients (up to ``NAMED_UP_TO``)."""
+    n = order.size
+    if names is not None and len(names) == n and n <= NAMED_UP_TO:
+        ax.set_xticks(range(n), [str(names[i]) for i in order], rotation=90, fontsize=6)
+        return True
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda x, _: str(int(order[round(x)])) if 0 <= round(x) < n else ""))
+    return False
+
+
+NAMED_UP_TO = 40  # clients named on the partition plot's axis; more are numbered
+
+
 def plot_partition(counts: np.ndarray, path: Path, classes: Sequence[str] | None = None,
-                   edges: Sequence[int] | None = None) -> None:
+                   edges: Sequence[int] | None = None,
+                   names: Sequence[str] | None = None) -> None:
     """Stacked bar per client of its train samples per class; past ``BARS_UP_TO`` clients
     a heatmap of each client's class shares (one image, not n x c bar patches, whose
     drawing would cost more than the run). ``edges``, each client's edge server: clients
-    drawn edge by edge, each edge's block marked and named."""
+    drawn edge by edge, each edge's block marked and named. ``names``: each client's name
+    (a data set with its own clients), shown in place of its number."""
     n, c = counts.shape
     order = np.arange(n)
     if edges is not None and len(edges) == n and min(edges, default=-1) >= 0:
@@ -182,7 +211,7 @@ def plot_partition(counts: np.ndarray, path: Path, classes: Sequence[str] | None
         if classes is not None and c <= 20:
             ax.set_yticks(range(c), [str(k) for k in classes[:c]], fontsize=6)
         ax.set_title("per-client class distribution")
-        _mark_edges(ax, edges, order)
+        _mark_edges(ax, edges, order, named=_client_ticks(ax, order, names))
         save_figure(fig, path)
         return
     fig, ax = plt.subplots(figsize=(max(5, min(16, 0.25 * n + 3)), 3.6))
@@ -197,11 +226,11 @@ def plot_partition(counts: np.ndarray, path: Path, classes: Sequence[str] | None
     ax.set_title("per-client class distribution")
     if c <= 20:
         ax.legend(fontsize=6, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
-    _mark_edges(ax, edges, order)
+    _mark_edges(ax, edges, order, named=_client_ticks(ax, order, names))
     save_figure(fig, path)
 
 
-def _mark_edges(ax, edges: Sequence[int] | None, order: np.ndarray) -> None:
+def _mark_edges(ax, edges: Sequence[int] | None, order: np.ndarray, named: bool = False) -> None:
     """Lines between the edges' blocks of clients (drawn in ``order``), each edge named
     above its block, and the clients' own ids on the axis."""
     if edges is None or len(edges) != order.size or min(edges, default=-1) < 0:
@@ -217,6 +246,6 @@ def _mark_edges(ax, edges: Sequence[int] | None, order: np.ndarray) -> None:
         ax.text((lo + hi) / 2, 1.0, f"edge {int(k)}", transform=ax.get_xaxis_transform(),
                 ha="center", va="bottom", fontsize=7)
     ax.set_title(ax.get_title(), pad=14)  # room for the edges' names
-    if order.size <= 60:
+    if order.size <= 60 and not named:
         ax.set_xticks(range(order.size), [str(int(i)) for i in order], fontsize=5)
     ax.set_xlabel("client (by edge)")

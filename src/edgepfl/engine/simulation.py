@@ -373,7 +373,9 @@ class Simulation:
         if self.cfg.output.plots:
             from edgepfl.plotting import plot_partition
             counts, _ = self.partition.class_counts(self.dataset.y_train, self.dataset.y_test)
-            plot_partition(counts, out / "partition.png", self.dataset.classes)
+            named = self.cfg.partition.scheme == "natural" and self.dataset.clients
+            plot_partition(counts, out / "partition.png", self.dataset.classes,
+                           names=self.dataset.clients if named else None)
 
     def save_checkpoint(self) -> None:
         assert self.out_dir is not None

@@ -17,7 +17,7 @@ from edgepfl.engine.rundir import run_dir_lock
 from edgepfl.engine.simulation import resolve
 from edgepfl.errors import EdgepflError
 from edgepfl.io import write_bytes_atomic, write_csv
-from edgepfl.plotting import setting_line
+from edgepfl.plotting import partition_words, setting_line
 from edgepfl.report import stats
 from edgepfl.report.plots import plot_curves, seed_curves
 from edgepfl.report.runs import Finished, PlannedRun, check_jobs, run_all
@@ -268,8 +268,8 @@ def _header(base: Config, seeds: list[int], star: list[str] | tuple[str, ...]) -
     return [
         f"# Comparison on {base.dataset.name}",
         "",
-        f"{base.partition.clients} clients, partition {base.partition.scheme} "
-        f"(alpha {base.partition.alpha}), {base.train.rounds} rounds, participation "
+        f"{base.partition.clients} clients, partition "
+        f"{partition_words(base.partition.model_dump())}, {base.train.rounds} rounds, participation "
         f"{base.train.participation}, seeds {', '.join(map(str, seeds))}"
         + (f", {edges} edges" if edges else "") + ". "
         + (f"{', '.join(star)} (star methods) ran on the same clients and data as a star, "

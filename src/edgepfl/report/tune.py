@@ -50,6 +50,7 @@ from edgepfl.config import Config, TrainConfig, build_config, parse_value, set_d
 from edgepfl.engine.rundir import EXECUTION, Hook, config_diff, without_rounds
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.io import read_json, write_bytes_atomic, write_csv, write_json
+from edgepfl.plotting import partition_words
 from edgepfl.report.runs import check_jobs, threads_per_job
 
 if TYPE_CHECKING:
@@ -724,8 +725,8 @@ def tune_markdown(rows: list[dict], record: dict, space: dict[str, str], best: d
     lines = [
         f"# Tuning {algorithm} on {cfg.get('dataset', {}).get('name')}",
         "",
-        f"{part.get('clients')} clients, partition {part.get('scheme')} (alpha "
-        f"{part.get('alpha')}), {train.get('rounds')} rounds, seed {cfg.get('seed')}; "
+        f"{part.get('clients')} clients, partition {partition_words(part)}, "
+        f"{train.get('rounds')} rounds, seed {cfg.get('seed')}; "
         f"{ev.get('validation')} of each client's training data held out for validation. "
         f"Optuna study {folder / DB_NAME}, TPE sampler seed {record.get('seed')}.",
         "",
