@@ -474,3 +474,14 @@ def test_compare_workers_end_when_their_parent_is_killed(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# -- 6. a rate no float32 weight can take is refused at set-up -------------------------------
+def test_a_learning_rate_beyond_float32_is_refused_at_set_up_leaving_no_directory(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"train.lr = 1e\+39 is beyond float32's range"):
+        start_run(fast_config("train.lr=1e39", "train.rounds=1"), out, progress=False)
+    assert not out.exists()
+    # the largest float32 itself still runs (and diverges: a run that trained nothing)
+    from edgepfl.engine.parts import check_rate
+    check_rate(fast_config("train.lr=3e38"))

@@ -154,6 +154,16 @@ def _probe(name: str, model: torch.nn.Module, channels: int, crops: Crops | None
         model.train(training)
 
 
+def check_rate(cfg: Config) -> None:
+    """Refuse a ``train.lr`` that float32 weights cannot be stepped by at all (beyond
+    float32's range, every client step would raise), before anything is built."""
+    top = float(torch.finfo(torch.float32).max)
+    if cfg.train.lr > top:
+        raise ConfigError(f"train.lr = {cfg.train.lr:g} is beyond float32's range "
+                          f"({top:.4g}): no client could take a step with it; rates that "
+                          "train are around 0.001 to 1 (e.g. train.lr = 0.05)")
+
+
 def run_stacks(cfg: Config, out_dir: Path | None) -> Stacks:
     """Where the run's per-client stacks live (``train.store``, ``train.store_dir``)."""
     train = cfg.train
@@ -190,6 +200,7 @@ class Parts:
         the run directory, is where ``train.store = "disk"`` maps its files by default.
         ``partition``, the run's split, is read by edge assignments that follow the data
         (topology.assignment = partition, similar); drawn again from the seed if not given."""
+        check_rate(cfg)
         algorithm = get_algorithm(cfg.algorithm.name)
         hp = algorithm.parse_hyperparameters(cfg.algorithm.hyperparameters())
         split_edges, histograms = None, None
