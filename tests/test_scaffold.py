@@ -121,12 +121,17 @@ def test_batched_clients_give_the_sequential_run(monkeypatch):
         return fit_many(self, reqs)
 
     monkeypatch.setattr(Trainer, "fit_many", spy)
-    runs = [_sim("scaffold", f"train.batch_clients={b}", "train.momentum=0.5") for b in
-            ("false", "true")]
+    # a decaying rate: option II divides by the rate the fit took, also where the engine
+    # finishes a batched fit after the round's rate was lent
+    runs = [_sim("scaffold", f"train.batch_clients={b}", "train.momentum=0.5",
+                 "train.lr_decay=linear", "train.lr_final=0.01") for b in ("false", "true")]
     for sim in runs:
         sim.run()
     assert batched and all(n == 6 for n in batched)  # rounds 2-3: all six at once
-    assert_same_run(*runs, atol=1e-5)
+    # option II divides a model difference by K eta_l: the batched kernels' float
+    # differences in y_i (1e-5 at most here, the layout effect test_batch_clients
+    # describes) reach the control variates 1.2e-4 apart (measured), the metrics not at all
+    assert_same_run(*runs, atol=3e-4)
 
 
 def test_sample_level_privacy_runs_and_client_level_is_refused():

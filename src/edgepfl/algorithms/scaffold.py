@@ -121,6 +121,12 @@ class ScaffoldServer(Server):
 class ScaffoldClient(Client):
     batchable = True  # the update is one fit with a gradient hook: run_update
 
+    def __init__(self, ctx, hp):
+        super().__init__(ctx, hp)
+        # eta_l of a fit between its request and its finish: the engine may finish a
+        # batched fit after the round's rate was lent (train.lr_decay)
+        self._lr: dict[int, float] = {}
+
     def init_state(self, cid: int, init_model: State) -> State:
         return {CONTROL + n: torch.zeros_like(init_model[n]) for n in self.trainer.param_names}
 
@@ -136,12 +142,14 @@ class ScaffoldClient(Client):
                     gen: torch.Generator) -> FitRequest:
         names = self.trainer.param_names
         correction = [msg.tensors[CONTROL + n] - state[CONTROL + n] for n in names]
-        return sgd_request(self, self._model(msg), data, gen,
-                           grad_hook=Correction(self.trainer.place(correction)))
+        request = sgd_request(self, self._model(msg), data, gen,
+                              grad_hook=Correction(self.trainer.place(correction)))
+        self._lr[cid] = request.lr
+        return request
 
     def finish(self, cid: int, msg: Message, state: State, data: ClientData,
                trained: State, stats: dict[str, float]) -> UpdateResult:
-        steps, lr = int(stats.get("steps", 0)), self.ctx.train.lr
+        steps, lr = int(stats.get("steps", 0)), self._lr.pop(cid, self.ctx.train.lr)
         new_state, delta = {}, {}
         for n in self.trainer.param_names:
             c_i, c = state[CONTROL + n], msg.tensors[CONTROL + n]
