@@ -485,3 +485,15 @@ def test_a_learning_rate_beyond_float32_is_refused_at_set_up_leaving_no_director
     # the largest float32 itself still runs (and diverges: a run that trained nothing)
     from edgepfl.engine.parts import check_rate
     check_rate(fast_config("train.lr=3e38"))
+
+
+# -- 16. sample-level DP accounting logs no absl warning per RDP order ------------------------
+def test_the_rdp_accountant_leaves_no_absl_warnings(caplog):
+    import logging
+
+    pytest.importorskip("dp_accounting")
+    from edgepfl.privacy.accounting import sample_epsilon
+
+    with caplog.at_level(logging.WARNING):
+        eps = sample_epsilon(((0.114695, 37),), 1.0, 1e-5)  # orders that do not converge
+    assert eps > 0 and not [r for r in caplog.records if r.name == "absl"]

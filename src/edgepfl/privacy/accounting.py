@@ -83,9 +83,9 @@ def client_epsilon(groups: tuple[tuple[int, int], ...], noise_multiplier: float,
     for num_clients, sample_size in groups:
         accountant = dp.rdp.RdpAccountant(
             neighboring_relation=dp.NeighboringRelation.REPLACE_ONE)
-        accountant.compose(client_event(num_clients, sample_size, noise_multiplier,
-                                        edge_rounds), rounds)
-        with _quiet():
+        with _quiet():  # the RDP orders are computed as the events are composed
+            accountant.compose(client_event(num_clients, sample_size, noise_multiplier,
+                                            edge_rounds), rounds)
             worst = max(worst, float(accountant.get_epsilon(delta)))
     return worst
 
@@ -121,9 +121,9 @@ def sample_epsilon(events: tuple[tuple[float, int], ...], noise_multiplier: floa
     if noise_multiplier == 0:
         return math.inf
     accountant = accountant_of(kind, relation)
-    for rate, steps in events:
-        accountant.compose(sample_event(rate, noise_multiplier), steps)
-    with _quiet():
+    with _quiet():  # the RDP orders are computed as the events are composed
+        for rate, steps in events:
+            accountant.compose(sample_event(rate, noise_multiplier), steps)
         return float(accountant.get_epsilon(delta))
 
 
