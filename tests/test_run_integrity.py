@@ -497,3 +497,26 @@ def test_the_rdp_accountant_leaves_no_absl_warnings(caplog):
     with caplog.at_level(logging.WARNING):
         eps = sample_epsilon(((0.114695, 37),), 1.0, 1e-5)  # orders that do not converge
     assert eps > 0 and not [r for r in caplog.records if r.name == "absl"]
+
+
+# -- 13. examples/flower/make_certs.py copied out of the repository ---------------------------
+def _make_certs_at(path: Path):
+    import importlib.util
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    path.parent.mkdir(parents=True)
+    shutil.copy(repo / "examples" / "flower" / "make_certs.py", path)
+    spec = importlib.util.spec_from_file_location(f"make_certs_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, repo
+
+
+def test_make_certs_copied_anywhere_asks_git_where_the_repository_is(tmp_path):
+    pytest.importorskip("cryptography")
+    copied, repo = _make_certs_at(tmp_path / "a" / "b" / "make_certs.py")
+    copied._check_folder(tmp_path / "certs")  # no repository there: nothing to refuse
+    with pytest.raises(SystemExit, match="inside the repository .* not ignored by git"):
+        copied._check_folder(repo / "examples" / "keys")  # this checkout, not ignored
+    copied._check_folder(repo / "runs" / "certs")  # ignored: fine

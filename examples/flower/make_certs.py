@@ -44,20 +44,39 @@ CURVE = ec.SECP384R1()
 DAYS = 365
 
 
-def _check_folder(folder: Path) -> None:
+def _repository(folder: Path) -> Path | None:
+    """The git work tree that holds ``folder`` (made or not yet), None if none does; the
+    script may have been copied anywhere, so it asks git rather than guessing. Without
+    git: this checkout, if the folder is in it."""
+    start = folder.resolve()
+    while not start.exists():
+        start = start.parent
     try:
-        inside = folder.resolve().relative_to(REPO)
-    except ValueError:
+        done = subprocess.run(["git", "-C", str(start), "rev-parse", "--show-toplevel"],
+                              capture_output=True, text=True)
+    except OSError:  # no git
+        return REPO if start.is_relative_to(REPO) else None
+    return Path(done.stdout.strip()).resolve() if done.returncode == 0 else None
+
+
+def _check_folder(folder: Path) -> None:
+    repo = _repository(folder)
+    if repo is None:  # not in a repository: nothing there can be committed
         return
     probe = folder.resolve() / "ca.key"
     try:
-        ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", str(probe)],
-                                 capture_output=True).returncode == 0
+        code = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", str(probe)],
+                              capture_output=True).returncode
     except OSError:  # no git: only the folder that .gitignore names is known to be safe
-        ignored = inside.parts[:1] == ("runs",)
-    if not ignored:
-        sys.exit(f"make_certs: {folder} is inside the repository and not ignored by git; "
-                 "keys must never be committed (use runs/..., or a folder outside)")
+        code = 0 if probe.relative_to(repo).parts[:1] == ("runs",) else 1
+    if code == 0:
+        return
+    if code == 1:
+        sys.exit(f"make_certs: {folder} is inside the repository {repo} and not ignored by "
+                 "git; keys must never be committed (use runs/..., or a folder outside)")
+    sys.exit(f"make_certs: git could not tell whether {folder} is ignored in {repo} (git "
+             f"check-ignore exit {code}); keys must never be committed: choose a folder "
+             "outside the repository, or one its .gitignore names")
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
