@@ -520,3 +520,13 @@ def test_make_certs_copied_anywhere_asks_git_where_the_repository_is(tmp_path):
     with pytest.raises(SystemExit, match="inside the repository .* not ignored by git"):
         copied._check_folder(repo / "examples" / "keys")  # this checkout, not ignored
     copied._check_folder(repo / "runs" / "certs")  # ignored: fine
+
+
+# -- 10. the compare command a study prints loads the study's plug-ins -----------------------
+def test_the_compare_command_of_a_study_names_its_plugins(tmp_path):
+    from edgepfl.report.tune import compare_command
+
+    cmd = compare_command(tmp_path / "study", "fedavgm",
+                          {"seed": 0, "plugins": ["/x/fedavgm_plugin.py"],
+                           "algorithm": {"name": "fedavgm"}})
+    assert "--plugin /x/fedavgm_plugin.py" in cmd and "--algorithms fedavgm" in cmd

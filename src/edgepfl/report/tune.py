@@ -713,8 +713,12 @@ def compare_command(folder: Path, algorithm: str, study_cfg: dict) -> str:
             and not isinstance(value, list | type(None)) and default.get(key) != value]
     seed = study_cfg.get("seed", 0) if isinstance(study_cfg.get("seed"), int) else 0
     seeds = ",".join(str(seed + k) for k in range(1, 6))
+    # the plug-ins the study loaded: a plug-in's algorithm is known only with them
+    plugins = study_cfg.get("plugins")
+    loads = [f"--plugin {p}" for p in (plugins if isinstance(plugins, list) else [])
+             if isinstance(p, str)]
     return " ".join([f"edgepfl compare --tuned {folder} --algorithms {algorithm},...",
-                     *sets, f"--seeds {seeds}"])
+                     *loads, *sets, f"--seeds {seeds}"])
 
 
 def tune_markdown(rows: list[dict], record: dict, space: dict[str, str], best: dict,
