@@ -530,3 +530,18 @@ def test_the_compare_command_of_a_study_names_its_plugins(tmp_path):
                           {"seed": 0, "plugins": ["/x/fedavgm_plugin.py"],
                            "algorithm": {"name": "fedavgm"}})
     assert "--plugin /x/fedavgm_plugin.py" in cmd and "--algorithms fedavgm" in cmd
+
+
+# -- 17. edgepfl tune takes --out as every other command does ---------------------------------
+def test_tune_takes_out_for_its_study_folder(tmp_path):
+    pytest.importorskip("optuna")
+    from click.testing import CliRunner
+
+    from edgepfl.cli import main
+
+    study = tmp_path / "study"
+    res = CliRunner().invoke(main, ["tune", "--algorithm", "fedprox", "--trials", "1", *FAST,
+                                    "--set", "train.rounds=1", "--set", "eval.validation=0.2",
+                                    "--out", str(study), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert (study / "tune.md").exists() and (study / "trial-0000").is_dir()

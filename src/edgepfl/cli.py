@@ -332,9 +332,10 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
               help="search KEY over a range, replacing its default range: "
               "loguniform:LOW:HIGH, uniform:LOW:HIGH, int:LOW:HIGH or choice:A,B,...; e.g. "
               "--space algorithm.mu=loguniform:0.001:1 (repeatable)")
-@click.option("--study", type=click.Path(path_type=Path),
+@click.option("--study", "--out", "study", type=click.Path(path_type=Path),
               help="the study's folder (or its study.db), which holds the trials' run "
-              "directories; an existing study goes on (default runs/tune-<algorithm>: the same command again goes on)")
+              "directories; an existing study goes on (default runs/tune-<algorithm>: the same "
+              "command again goes on); --out, as the other commands name it, is the same")
 @click.option("--jobs", type=int, default=1, show_default=True,
               help="worker processes sharing the study, each running trials with --threads "
               "torch threads (default: the cores shared out); the command in several shells "
