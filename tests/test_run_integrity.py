@@ -545,3 +545,16 @@ def test_tune_takes_out_for_its_study_folder(tmp_path):
                                     "--out", str(study), "--quiet"])
     assert res.exit_code == 0, res.output
     assert (study / "tune.md").exists() and (study / "trial-0000").is_dir()
+
+
+# -- 5. privacy settings without privacy.level are said to do nothing ----------------------------
+def test_privacy_settings_without_a_level_are_warned_of(caplog):
+    from edgepfl.engine.simulation import Simulation
+
+    Simulation(fast_config("privacy.noise_multiplier=2.0", "privacy.target_epsilon=3.0"),
+               progress=False)
+    assert ("privacy.noise_multiplier, privacy.target_epsilon are set but privacy.level = "
+            "'none': no noise is added") in caplog.text
+    caplog.clear()
+    Simulation(fast_config(), progress=False)
+    assert "privacy.level" not in caplog.text

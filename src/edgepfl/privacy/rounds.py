@@ -319,4 +319,13 @@ def round_privacy(parts: Any, sizes: list[int] | None) -> RoundPrivacy:
         declared = parts.algorithm.privacy.epochs
         epochs = cfg.train.local_epochs if declared is None else declared(cfg.train, parts.hp)
         return SamplePrivacy(cfg, parts.federation, sizes, epochs)
+    from edgepfl.config import PrivacyConfig
+
+    default = PrivacyConfig().model_dump()
+    unused = [f"privacy.{k}" for k, v in cfg.privacy.model_dump().items()
+              if k != "level" and v != default.get(k)]
+    if unused:
+        log.warning("%s %s set but privacy.level = 'none': no noise is added and nothing is "
+                    "accounted; set privacy.level = 'client' or 'sample' for them to act",
+                    ", ".join(unused), "is" if len(unused) == 1 else "are")
     return RoundPrivacy()
