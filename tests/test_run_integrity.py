@@ -558,3 +558,26 @@ def test_privacy_settings_without_a_level_are_warned_of(caplog):
     caplog.clear()
     Simulation(fast_config(), progress=False)
     assert "privacy.level" not in caplog.text
+
+
+# -- 5. what the accuracy figures would leave unsaid is said at set-up -------------------------
+def test_a_one_class_data_set_and_clients_without_test_data_are_warned_of(tmp_path, caplog):
+    import numpy as np
+
+    from edgepfl.config import build_config
+    from edgepfl.engine.simulation import Simulation
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (60, 1, 8, 8), dtype=np.uint8)
+    client = np.array(["ann", "bob", "cy"])[np.arange(60) % 3]
+    # cy has training samples only: no test samples at all
+    x_test = rng.integers(0, 256, (20, 1, 8, 8), dtype=np.uint8)
+    client_test = np.array(["ann", "bob"])[np.arange(20) % 2]
+    np.savez(tmp_path / "d.npz", x=x, y=np.zeros(60, dtype=np.int64), client=client,
+             x_test=x_test, y_test=np.zeros(20, dtype=np.int64), client_test=client_test)
+    cfg = build_config({}, ["dataset.name=npz", f"dataset.path={tmp_path / 'd.npz'}",
+                            "partition.scheme=natural", "partition.clients=3",
+                            "model.name=mlp", "train.rounds=1", "output.plots=false"])
+    Simulation(cfg, progress=False)
+    assert "1 of 3 clients have no test samples (clients 2)" in caplog.text
+    assert "the training data holds 1 class: every prediction is right" in caplog.text

@@ -245,6 +245,21 @@ class InProcess(Transport):
                                     self.train_data[cid], self.test_data[cid], self.val_data[cid])
 
 
+def _warn_of_silent_figures(dataset: Dataset, test_sizes: np.ndarray) -> None:
+    """Say at set-up what the accuracy figures would leave unsaid: clients without test
+    samples (left out of every mean) and a data set of one class (every prediction right)."""
+    empty = [int(c) for c in np.flatnonzero(test_sizes == 0)]
+    if empty:
+        log.warning("%d of %d clients have no test samples (clients %s%s): they are left out "
+                    "of every accuracy figure, whose means are over the other clients",
+                    len(empty), len(test_sizes), ", ".join(map(str, empty[:8])),
+                    ", ..." if len(empty) > 8 else "")
+    classes = torch.unique(torch.as_tensor(dataset.y_train)).numel()
+    if classes < 2:
+        log.warning("the training data holds %d class: every prediction is right, so its "
+                    "accuracy (100%%) says nothing of the model", classes)
+
+
 # what a client step may raise that stops the run: the user's to fix, not the client's
 _SETTINGS = (ConfigError, DataError)
 
@@ -275,6 +290,7 @@ class Simulation:
         self.test_data = [v.test for v in views]
         self.val_data = [v.val for v in views]
         self.test_sizes = np.array([sample_count(test) for test in self.test_data])
+        _warn_of_silent_figures(self.dataset, self.test_sizes)
         self.system = SystemModel.build(cfg.system, n, cfg.seed, epochs=cfg.train.local_epochs)
         self.flops = FlopMeter(enabled=cfg.system.count_flops, cache=cfg.system.cache_flops)
         self.transport = InProcess(parts, self.train_data, self.test_data, self.flops,
