@@ -581,3 +581,16 @@ def test_a_one_class_data_set_and_clients_without_test_data_are_warned_of(tmp_pa
     Simulation(cfg, progress=False)
     assert "1 of 3 clients have no test samples (clients 2)" in caplog.text
     assert "the training data holds 1 class: every prediction is right" in caplog.text
+
+
+# -- 6. an empty npz is refused with the file named, not a traceback ---------------------------
+def test_an_empty_npz_is_refused_as_data_not_a_traceback(tmp_path):
+    import numpy as np
+
+    from edgepfl.data import load_dataset
+    from edgepfl.errors import DataError
+
+    np.savez(tmp_path / "d.npz", x=np.zeros((0, 4), dtype=np.float32),
+             y=np.zeros(0, dtype=np.int64))
+    with pytest.raises(DataError, match="holds no samples"):
+        load_dataset("npz", path=tmp_path / "d.npz", test_fraction=0.25)

@@ -440,6 +440,9 @@ def _npz_inputs(x: np.ndarray, where: str) -> np.ndarray:
     else:
         raise DataError(f"{where} has shape {list(x.shape)}; inputs are feature vectors "
                         f"[n, d], images [n, H, W] or [n, C, H, W]")
+    if not len(x):
+        raise DataError(f"{where} holds no samples (shape {list(x.shape)}); a data set needs "
+                        "at least one sample per client")
     if x.dtype != np.uint8:
         x = x.astype(np.float32)
         bad = ~np.isfinite(x.reshape(len(x), -1)).all(1)
