@@ -594,3 +594,21 @@ def test_an_empty_npz_is_refused_as_data_not_a_traceback(tmp_path):
              y=np.zeros(0, dtype=np.int64))
     with pytest.raises(DataError, match="holds no samples"):
         load_dataset("npz", path=tmp_path / "d.npz", test_fraction=0.25)
+
+
+# -- 6. one huge image among small ones is refused before its canvas is made -------------------
+def test_one_huge_image_among_small_ones_is_refused_naming_it(monkeypatch):
+    import numpy as np
+
+    import edgepfl.data.own as own
+    from edgepfl.errors import DataError
+
+    monkeypatch.setattr(own, "_CANVAS_FLOOR", 1 << 20)  # 1 MiB here, 1 GiB in earnest
+    small = [np.zeros((3, 8, 8), dtype=np.uint8) for _ in range(20)]
+    huge = np.zeros((3, 600, 600), dtype=np.uint8)
+    files = [f"cat/{k}.png" for k in range(20)] + ["cat/huge.png"]
+    with pytest.raises(DataError, match=r"cat/huge.png \(600x600 pixels\) would make every "
+                                        r"image's canvas that large.*set dataset.resize"):
+        own._pack([*small, huge], files)
+    canvas, sizes = own._pack([*small, np.zeros((3, 16, 16), dtype=np.uint8)], files)
+    assert canvas.shape == (21, 3, 16, 16) and sizes[-1].tolist() == [16, 16]

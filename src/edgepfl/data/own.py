@@ -266,7 +266,8 @@ def _inputs(train: _Split, test: _Split
     """Both splits' inputs as ``[n, C, H, W]`` arrays of one channel count (images of
     several sizes on one canvas, with their sizes)."""
     if isinstance(train.x, list):
-        canvas, sizes = _pack(train.x + test.x)  # type: ignore[operator]
+        canvas, sizes = _pack(train.x + test.x,  # type: ignore[operator]
+                              (train.files or []) + (test.files or []))
         n = len(train.x)
         return (canvas[:n], canvas[n:], None if sizes is None else sizes[:n],
                 None if sizes is None else sizes[n:])
@@ -288,9 +289,16 @@ def _same_channels(images: Sequence[np.ndarray], files: Sequence[str]) -> None:
                         f"grayscale)")
 
 
-def _pack(images: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+# a canvas this many times the images' own bytes, and at least _CANVAS_FLOOR, is refused
+_CANVAS_RATIO, _CANVAS_FLOOR = 4, 1 << 30
+
+
+def _pack(images: list[np.ndarray], files: Sequence[str] = ()
+          ) -> tuple[np.ndarray, np.ndarray | None]:
     """``[n, C, H, W]`` uint8: the images stacked, or, when they differ in size, each at the
-    top left of a canvas of the largest height and width, with its own ``[n, 2]`` size."""
+    top left of a canvas of the largest height and width, with its own ``[n, 2]`` size. A
+    canvas that a few large images would make many times the images' own size (one
+    6000x6000 photo among small ones) is refused, naming the largest, before it is made."""
     hw = np.array([image.shape[1:] for image in images], dtype=np.int64).reshape(-1, 2)
     height, width = (int(v) for v in hw.max(0))
     if max(height, width) > _MAX_SIDE:
@@ -299,6 +307,16 @@ def _pack(images: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
     channels = int(images[0].shape[0])
     if (hw == hw[0]).all():
         return np.stack([np.asarray(image) for image in images]), None
+    canvas_bytes = len(images) * channels * height * width
+    own = int(channels * hw.prod(1).sum())
+    if canvas_bytes >= max(_CANVAS_RATIO * own, _CANVAS_FLOOR):
+        big = int(np.argmax(hw.prod(1)))
+        name = files[big] if big < len(files) else f"image {big}"
+        raise DataError(
+            f"the images differ in size, and {name} ({height}x{width} pixels) would make every "
+            f"image's canvas that large: {canvas_bytes / 2**30:.2f} GiB for {len(images)} "
+            f"images whose own pixels take {own / 2**20:.1f} MiB; set dataset.resize (e.g. "
+            "dataset.resize = 64), or resize or leave out the largest images")
     canvas = np.zeros((len(images), channels, height, width), dtype=np.uint8)
     for i, image in enumerate(images):
         canvas[i, :, : image.shape[1], : image.shape[2]] = image
