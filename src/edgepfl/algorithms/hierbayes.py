@@ -28,9 +28,16 @@ q(psi) = N(m_0, v_0), q(sigma_e^2) = IG(a_e, b_e). Blocks (Eq. 23-28, Algorithm 
   q(phi_k) and q(sigma_ck^2) from its clients' m_i and the cloud's (m_0, E[1/sigma_e^2]);
 * cloud (Eq. 28): closed-form coordinate ascent over q(psi) and q(sigma_e^2) from the
   edges' (m_k, v_k); with ``upper_blocks = "joint"`` (default) from the edges' client means
-  and precisions, alternating with the edges' Gaussian blocks to their common fixed point,
-  which each edge re-solves when the cloud posterior arrives. With one edge sigma_e^2 is not
-  identifiable (one observation of a spread): psi is phi_1 and the model is the flat
+  and precisions, the edges' Gaussian blocks and the cloud's solved together at their
+  common fixed point, which each edge re-solves when the cloud posterior arrives. There
+  q(sigma_e^2) takes E[(phi_k - psi)^2] under the joint Gaussian optimum of the edges and
+  psi (``edge_spread = "joint"``, issue 55): the product of q(phi_k) and q(psi) adds
+  v_k + v_0 and drops their covariance, and its fixed point held sigma_e^2 at
+  w / (K - 1), w = 1 / (S_k lambda_k) the edges' own uncertainty, however close the edges
+  agreed (MNIST: 1e4-1e6 x the edges' spread), which made q(psi) too wide to draw from; the
+  joint form's fixed point, solved directly, is the random-effects REML estimate
+  K / (K - 1) x spread - w (``"product"`` keeps the old form). With one edge sigma_e^2 is
+  not identifiable (one observation of a spread): psi is phi_1 and the model is the flat
   two-level one.
 
 The precisions are learned from the data (empirical Bayes, ``precision_start = "data"``):
@@ -176,6 +183,13 @@ class HierBayesHyperparameters(Hyperparameters):
         "(over k) of log p(theta_i | phi_k) have it (the hierarchy models clients, not samples); "
         "samples, weighted by training samples (HierFAVG's weighting; the count of observations "
         "stays the number of clients, of edges)")
+    edge_spread: Literal["joint", "product"] = Field(
+        "joint", description="upper_blocks = joint: how Eq. 28's q(sigma_e^2) takes the expected "
+        "spread E[(phi_k - psi)^2] of the edges about psi: joint, under the joint Gaussian "
+        "optimum of the edges and psi (their covariance kept; the fixed point is solved "
+        "directly, the random-effects REML estimate); product, under the product of q(phi_k) "
+        "and q(psi) (before issue 55's fix), which adds v_k + v_0 and holds sigma_e^2 at the "
+        "edges' own uncertainty / (K - 1) however close the edges agree (docs/algorithms.md)")
 
 
 # -- the closed-form blocks (pure functions of per-coordinate tensors) ---------------------
@@ -329,6 +343,62 @@ def _moments(rows: torch.Tensor, weights: torch.Tensor | None = None,
     diff = torch.sub(rows, centre, out=scratch if scratch is not None else torch.empty_like(rows))
     diff.square_()
     return centre, (diff.mean(0) if w is None else diff.mul_(w).sum(0))
+
+
+def edge_level_fixed_point(ybar: torch.Tensor, meas: torch.Tensor, psi_prior_var: float,
+                           a_p: float, b_p: float | torch.Tensor, layout: Layout | None = None,
+                           weights: torch.Tensor | None = None, steps: int = 60,
+                           ) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor, torch.Tensor]:
+    """Eq. 25 and 28 (the edges' Gaussian blocks, q(psi), q(sigma_e^2)) at their common fixed
+    point, with Eq. 28's E[(phi_k - psi)^2] taken under the joint Gaussian optimum of
+    (phi_1..phi_K, psi) given the precisions rather than the product of its marginals
+    (``edge_spread = "joint"``). The means are the same either way; the product form adds
+    v_k + v_0 and drops the covariance of phi_k and psi, which holds sigma_e^2 at
+    w / (K - 1) (w = 1 / meas, the edges' own uncertainty) however close the edges agree.
+    Per coordinate (pooled per tensor), with x = 1 / E[1/sigma_e^2], w_k = 1 / meas_k,
+    P = 1/psi_prior_var + sum_k o_k / (x + w_k), m_0 = sum_k o_k ybar_k / (x + w_k) / P:
+
+        E[(phi_k - psi)^2] = (x / (x + w_k))^2 ((ybar_k - m_0)^2 + 1 / P) + x w_k / (x + w_k)
+
+    and x = (b_p + C d/2 mean_k E) / (a_p + C d/2), C = sum_k o_k, solved by bisection on
+    log x (the fixed point EM creeps towards: at equal w_k it is x = K/(K-1) spread - w,
+    the one-way random-effects REML estimate, floored by the prior). Returns (m_0, v_0,
+    a_e, b_e), v_0 = 1 / (C / x + 1/psi_prior_var) as Eq. 28 writes q(psi)."""
+    pool, dim = (layout.pool, layout.dim) if layout is not None else ((lambda x: x), 1.0)
+    omega = (torch.ones(ybar.shape[0], dtype=ybar.dtype) if weights is None
+             else weights.to(ybar.dtype))
+    count = float(omega.sum())
+    col = omega.view(-1, *([1] * (ybar.dim() - 1)))
+    share = col / count
+    w = 1.0 / meas.clamp_min(1e-300)
+    p0 = 1.0 / psi_prior_var
+    a = a_p + count * dim / 2
+
+    def update(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inv = col / (x + w)
+        prec = inv.sum(0) + p0
+        m0 = (inv * ybar).sum(0) / prec
+        shrink = x / (x + w)
+        e = shrink ** 2 * ((ybar - m0) ** 2 + 1.0 / prec) + x * w / (x + w)
+        b = b_p + 0.5 * count * dim * pool((share * e).sum(0))
+        return b / a, b, m0
+
+    lo = torch.as_tensor(b_p / a, dtype=ybar.dtype).expand_as(ybar[0]).clone().clamp_min(1e-300)
+    hi = pool((share * ((ybar - (share * ybar).sum(0)) ** 2 + w)).sum(0)) * 10 + lo * 10
+    for _ in range(60):  # widen until the map falls below the identity (it grows as x / C)
+        above = update(hi)[0] > hi
+        if not bool(above.any()):
+            break
+        hi = torch.where(above, hi * 10, hi)
+    lo, hi = lo.log(), hi.log()
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        up = update(mid.exp())[0] > mid.exp()
+        lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
+    x = ((lo + hi) / 2).exp()
+    _, b, m0 = update(x)
+    x = b / a
+    return m0, 1.0 / (count / x + p0), a, b
 
 
 # edge <-> cloud passes per cloud round: psi converges to ~1e-6 at equal weights; the
@@ -486,6 +556,10 @@ class HierBayesCloud(_Level, Server):
                 self.a_p, self.b_p, hp.inner_iters, weights, self.layout)
             return
         ybar, meas = torch.stack(firsts), torch.stack(seconds)
+        if hp.edge_spread == "joint":
+            self.m0, self.v0, self.a_e, self.b_e = edge_level_fixed_point(
+                ybar, meas, hp.psi_prior_var, self.a_p, self.b_p, self.layout, weights)
+            return
         weighted = meas * ybar
         buffers = (torch.empty_like(ybar), torch.empty_like(ybar))
         scratch = torch.empty_like(ybar)
