@@ -364,41 +364,79 @@ def edge_level_fixed_point(ybar: torch.Tensor, meas: torch.Tensor, psi_prior_var
     log x (the fixed point EM creeps towards: at equal w_k it is x = K/(K-1) spread - w,
     the one-way random-effects REML estimate, floored by the prior). Returns (m_0, v_0,
     a_e, b_e), v_0 = 1 / (C / x + 1/psi_prior_var) as Eq. 28 writes q(psi)."""
-    pool, dim = (layout.pool, layout.dim) if layout is not None else ((lambda x: x), 1.0)
     omega = (torch.ones(ybar.shape[0], dtype=ybar.dtype) if weights is None
              else weights.to(ybar.dtype))
     count = float(omega.sum())
     col = omega.view(-1, *([1] * (ybar.dim() - 1)))
-    share = col / count
     w = 1.0 / meas.clamp_min(1e-300)
     p0 = 1.0 / psi_prior_var
+    b_p = torch.as_tensor(b_p, dtype=ybar.dtype).expand_as(ybar[0])
+    rough = (col / count * ((ybar - (col / count * ybar).sum(0)) ** 2 + w)).sum(0)
+    if layout is not None and layout.per_layer:
+        # one x (and one w_k) per tensor: the spread about m_0 from each tensor's Gram matrix
+        # of the centred ybar_k and their mean, so a bisection step is O(K^2) per tensor
+        bt, d = layout.tensor_means(b_p), layout.sizes.to(ybar.dtype)
+        wt = torch.stack([layout.tensor_means(r) for r in w])
+        centre = ybar.mean(0)
+        rows = torch.cat([ybar - centre, centre[None]])
+        gram = torch.stack([rows[:, i:i + n] @ rows[:, i:i + n].T for i, n in
+                            zip((torch.cumsum(layout.sizes, 0) - layout.sizes).long().tolist(),
+                                layout.sizes.long().tolist(), strict=True)])
+
+        def spread(x: torch.Tensor) -> torch.Tensor:
+            inv = omega[:, None] / (x + wt)
+            prec = inv.sum(0) + p0
+            beta = inv / prec
+            coef = torch.eye(len(omega), len(omega) + 1, dtype=ybar.dtype)[None] \
+                - torch.cat([beta.T, torch.zeros_like(prec)[:, None]], 1)[:, None, :]
+            coef[:, :, -1] = 1 - beta.sum(0)[:, None]
+            quad = torch.einsum("tki,tij,tkj->kt", coef, gram, coef) / d
+            shrink = x / (x + wt)
+            e = shrink ** 2 * (quad + 1.0 / prec) + x * wt / (x + wt)
+            return (omega[:, None] / count * e).sum(0)
+
+        a_t = a_p + count * d / 2
+        x = _fixed_point(lambda x: (bt + 0.5 * count * d * spread(x)) / a_t, bt / a_t,
+                         layout.tensor_means(rough), steps)[layout.index]
+        dim: float | torch.Tensor = layout.dim
+    else:
+        a_c = a_p + count / 2
+        x = _fixed_point(lambda x: (b_p + 0.5 * count * _edge_spread(x, ybar, w, col, count, p0)[0])
+                         / a_c, b_p / a_c, rough, steps)
+        dim = 1.0
     a = a_p + count * dim / 2
+    e, m0 = _edge_spread(x, ybar, w, col, count, p0)
+    b = b_p + 0.5 * count * dim * (layout.pool(e) if layout is not None else e)
+    return m0, 1.0 / (count * a / b + p0), a, b
 
-    def update(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        inv = col / (x + w)
-        prec = inv.sum(0) + p0
-        m0 = (inv * ybar).sum(0) / prec
-        shrink = x / (x + w)
-        e = shrink ** 2 * ((ybar - m0) ** 2 + 1.0 / prec) + x * w / (x + w)
-        b = b_p + 0.5 * count * dim * pool((share * e).sum(0))
-        return b / a, b, m0
 
-    lo = torch.as_tensor(b_p / a, dtype=ybar.dtype).expand_as(ybar[0]).clone().clamp_min(1e-300)
-    hi = pool((share * ((ybar - (share * ybar).sum(0)) ** 2 + w)).sum(0)) * 10 + lo * 10
-    for _ in range(60):  # widen until the map falls below the identity (it grows as x / C)
-        above = update(hi)[0] > hi
+def _edge_spread(x: torch.Tensor, ybar: torch.Tensor, w: torch.Tensor, col: torch.Tensor,
+                 count: float, p0: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted mean over edges of E[(phi_k - psi)^2] under the joint Gaussian, and m_0."""
+    inv = col / (x + w)
+    prec = inv.sum(0) + p0
+    m0 = (inv * ybar).sum(0) / prec
+    shrink = x / (x + w)
+    e = shrink ** 2 * ((ybar - m0) ** 2 + 1.0 / prec) + x * w / (x + w)
+    return (col / count * e).sum(0), m0
+
+
+def _fixed_point(update, lo: torch.Tensor, rough: torch.Tensor, steps: int) -> torch.Tensor:
+    """x = update(x), elementwise, by bisection on log x: the map is at least ``lo`` (the
+    prior's b_p / a) everywhere and falls below the identity for large x (it grows as x / C)."""
+    lo = lo.clamp_min(1e-300)
+    hi = 10 * rough + 10 * lo
+    for _ in range(60):
+        above = update(hi) > hi
         if not bool(above.any()):
             break
         hi = torch.where(above, hi * 10, hi)
     lo, hi = lo.log(), hi.log()
     for _ in range(steps):
         mid = (lo + hi) / 2
-        up = update(mid.exp())[0] > mid.exp()
+        up = update(mid.exp()) > mid.exp()
         lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
-    x = ((lo + hi) / 2).exp()
-    _, b, m0 = update(x)
-    x = b / a
-    return m0, 1.0 / (count / x + p0), a, b
+    return ((lo + hi) / 2).exp()
 
 
 # edge <-> cloud passes per cloud round: psi converges to ~1e-6 at equal weights; the
