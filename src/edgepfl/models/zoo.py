@@ -15,7 +15,21 @@ from edgepfl.models.hmpl_tiers import HMPLTiers
 from edgepfl.models.resnet import ResNet18, ResNet18BN
 
 
-class CNN2(nn.Module):
+class ConvPoolFC3(nn.Module):
+    """Two conv + max-pool stages and three fully connected layers: the forward pass that
+    cnn2, lenet5 and cnn_cifar share (each sets conv1, conv2, fc1, fc2, fc3)."""
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
+        x = torch.relu(self.fc1(x.flatten(1)))
+        return torch.relu(self.fc2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.features(x))
+
+
+class CNN2(ConvPoolFC3):
     """The KAPC paper's CNN for 28x28 inputs (Sec. 7.1).
 
     The paper fixes two 5x5 convolutions and fully connected layers of 512 and 128 units
@@ -32,17 +46,9 @@ class CNN2(nn.Module):
         self.fc2 = nn.Linear(512, 128)
         self.fc3 = nn.Linear(128, num_classes)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
-        x = torch.relu(self.fc1(x.flatten(1)))
-        return torch.relu(self.fc2(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.features(x))
 
 
-class LeNet5(nn.Module):
+class LeNet5(ConvPoolFC3):
     """LeNet-5: two 5x5 convolutions (6, 16 channels) and three fully connected layers
     (120, 84, classifier), 61,706 parameters on 28x28 inputs.
 
@@ -61,17 +67,9 @@ class LeNet5(nn.Module):
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
-        x = torch.relu(self.fc1(x.flatten(1)))
-        return torch.relu(self.fc2(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.features(x))
 
 
-class CNNCifar(nn.Module):
+class CNNCifar(ConvPoolFC3):
     """The FedAvg paper's CIFAR CNN: two 5x5 convolutions (64 channels), FC 384 and 192."""
 
     def __init__(self, in_channels: int = 3, num_classes: int = 10, image_size: int = 32):
@@ -83,14 +81,6 @@ class CNNCifar(nn.Module):
         self.fc2 = nn.Linear(384, 192)
         self.fc3 = nn.Linear(192, num_classes)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
-        x = torch.relu(self.fc1(x.flatten(1)))
-        return torch.relu(self.fc2(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.features(x))
 
 
 class CNNSmall(nn.Module):
