@@ -390,7 +390,9 @@ class Simulation:
             from edgepfl.plotting import plot_partition
             counts, _ = self.partition.class_counts(self.dataset.y_train, self.dataset.y_test)
             named = self.cfg.partition.scheme == "natural" and self.dataset.clients
+            fed = self.federation
             plot_partition(counts, out / "partition.png", self.dataset.classes,
+                           edges=list(fed.parent) if fed.hierarchical else None,
                            names=self.dataset.clients if named else None)
 
     def save_checkpoint(self) -> None:
