@@ -197,31 +197,7 @@ def edge_level_fixed_point(ybar: torch.Tensor, meas: torch.Tensor, psi_prior_var
     b_p = torch.as_tensor(b_p, dtype=ybar.dtype).expand_as(ybar[0])
     rough = (col / count * ((ybar - (col / count * ybar).sum(0)) ** 2 + w)).sum(0)
     if layout is not None and layout.per_layer:
-        # one x (and one w_k) per tensor: the spread about m_0 from each tensor's Gram matrix
-        # of the centred ybar_k and their mean, so a bisection step is O(K^2) per tensor
-        bt, d = layout.tensor_means(b_p), layout.sizes.to(ybar.dtype)
-        wt = torch.stack([layout.tensor_means(r) for r in w])
-        centre = ybar.mean(0)
-        rows = torch.cat([ybar - centre, centre[None]])
-        gram = torch.stack([rows[:, i:i + n] @ rows[:, i:i + n].T for i, n in
-                            zip((torch.cumsum(layout.sizes, 0) - layout.sizes).long().tolist(),
-                                layout.sizes.long().tolist(), strict=True)])
-
-        def spread(x: torch.Tensor) -> torch.Tensor:
-            inv = omega[:, None] / (x + wt)
-            prec = inv.sum(0) + p0
-            beta = inv / prec
-            coef = torch.eye(len(omega), len(omega) + 1, dtype=ybar.dtype)[None] \
-                - torch.cat([beta.T, torch.zeros_like(prec)[:, None]], 1)[:, None, :]
-            coef[:, :, -1] = 1 - beta.sum(0)[:, None]
-            quad = torch.einsum("tki,tij,tkj->kt", coef, gram, coef) / d
-            shrink = x / (x + wt)
-            e = shrink ** 2 * (quad + 1.0 / prec) + x * wt / (x + wt)
-            return (omega[:, None] / count * e).sum(0)
-
-        a_t = a_p + count * d / 2
-        x = _fixed_point(lambda x: (bt + 0.5 * count * d * spread(x)) / a_t, bt / a_t,
-                         layout.tensor_means(rough), steps)[layout.index]
+        x = _per_tensor_fixed_point(ybar, w, omega, p0, a_p, b_p, layout, rough, steps)
         dim: float | torch.Tensor = layout.dim
     else:
         a_c = a_p + count / 2
@@ -232,6 +208,38 @@ def edge_level_fixed_point(ybar: torch.Tensor, meas: torch.Tensor, psi_prior_var
     e, m0 = _edge_spread(x, ybar, w, col, count, p0)
     b = b_p + 0.5 * count * dim * (layout.pool(e) if layout is not None else e)
     return m0, 1.0 / (count * a / b + p0), a, b
+
+
+def _per_tensor_fixed_point(ybar: torch.Tensor, w: torch.Tensor, omega: torch.Tensor,
+                            p0: float, a_p: float, b_p: torch.Tensor, layout: Layout,
+                            rough: torch.Tensor, steps: int) -> torch.Tensor:
+    """``edge_level_fixed_point``'s x with one value per tensor (expanded per coordinate)."""
+    count = float(omega.sum())
+    # one x (and one w_k) per tensor: the spread about m_0 from each tensor's Gram matrix
+    # of the centred ybar_k and their mean, so a bisection step is O(K^2) per tensor
+    bt, d = layout.tensor_means(b_p), layout.sizes.to(ybar.dtype)
+    wt = torch.stack([layout.tensor_means(r) for r in w])
+    centre = ybar.mean(0)
+    rows = torch.cat([ybar - centre, centre[None]])
+    gram = torch.stack([rows[:, i:i + n] @ rows[:, i:i + n].T for i, n in
+                        zip((torch.cumsum(layout.sizes, 0) - layout.sizes).long().tolist(),
+                            layout.sizes.long().tolist(), strict=True)])
+
+    def spread(x: torch.Tensor) -> torch.Tensor:
+        inv = omega[:, None] / (x + wt)
+        prec = inv.sum(0) + p0
+        beta = inv / prec
+        coef = torch.eye(len(omega), len(omega) + 1, dtype=ybar.dtype)[None] \
+            - torch.cat([beta.T, torch.zeros_like(prec)[:, None]], 1)[:, None, :]
+        coef[:, :, -1] = 1 - beta.sum(0)[:, None]
+        quad = torch.einsum("tki,tij,tkj->kt", coef, gram, coef) / d
+        shrink = x / (x + wt)
+        e = shrink ** 2 * (quad + 1.0 / prec) + x * wt / (x + wt)
+        return (omega[:, None] / count * e).sum(0)
+
+    a_t = a_p + count * d / 2
+    return _fixed_point(lambda x: (bt + 0.5 * count * d * spread(x)) / a_t, bt / a_t,
+                        layout.tensor_means(rough), steps)[layout.index]
 
 
 def _edge_spread(x: torch.Tensor, ybar: torch.Tensor, w: torch.Tensor, col: torch.Tensor,
