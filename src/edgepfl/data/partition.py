@@ -135,16 +135,7 @@ def make_partition(
     else:
         owner, counts = _train_owners(scheme, ytr, totals, clients, rng, alpha, min_size,
                                       classes_per_client, train_clients)
-    empty = np.flatnonzero(counts.sum(1) == 0)
-    if empty.size and scheme == "natural":
-        raise DataError(
-            f"natural partition: client {int(empty[0])} (and {empty.size - 1} more) has no "
-            f"train samples in the data; every client needs some (a larger dataset.fraction)")
-    if empty.size:
-        raise DataError(
-            f"{scheme} partition left client {int(empty[0])} (and {empty.size - 1} more) with no "
-            f"train samples ({n} samples over {clients} clients); use fewer clients"
-        )
+    _check_nonempty(counts, scheme, n, clients)
     if scheme == "natural" and test_clients is not None:
         test_owner = _owners(test_clients, yte.size, clients, "test")
     else:
@@ -162,6 +153,20 @@ def make_partition(
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _check_nonempty(counts: np.ndarray, scheme: str, n: int, clients: int) -> None:
+    """Every client needs training samples."""
+    empty = np.flatnonzero(counts.sum(1) == 0)
+    if empty.size and scheme == "natural":
+        raise DataError(
+            f"natural partition: client {int(empty[0])} (and {empty.size - 1} more) has no "
+            f"train samples in the data; every client needs some (a larger dataset.fraction)")
+    if empty.size:
+        raise DataError(
+            f"{scheme} partition left client {int(empty[0])} (and {empty.size - 1} more) with no "
+            f"train samples ({n} samples over {clients} clients); use fewer clients"
+        )
 
 
 def _train_owners(scheme: str, ytr: np.ndarray, totals: np.ndarray, clients: int,
