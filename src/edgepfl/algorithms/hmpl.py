@@ -39,7 +39,6 @@ docs/algorithms.md ("hmpl / hmpl_s") lists the choices where the paper is silent
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 from functools import cache
@@ -61,6 +60,7 @@ from edgepfl.algorithms.base import (
     UpdateResult,
 )
 from edgepfl.algorithms.client_data import ClientData
+from edgepfl.algorithms.hmpl_report import TIER_NAMES, _finite, write_tiers
 from edgepfl.algorithms.kit import num_samples
 from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.algorithms.trainer import Trainer
@@ -69,7 +69,6 @@ from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_entries, check_message
 from edgepfl.federation.rng import derive_seed
-from edgepfl.io import read_json, write_json
 from edgepfl.models.hmpl import SUP_MAX_DEPTH, fitted_align, layer_role, preserving_start
 from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, check_stage, stage_model
 from edgepfl.models.memory import training_step_bytes
@@ -85,7 +84,6 @@ PAPER = ("Zhang, Gong, Gao, Qin, Wang, Lin and Wang, Device-Performance-Driven H
 # model", so that an Ord round costs what FedAvg's does
 TIER, DEPTH = "tier", "depth"
 NUM_SAMPLES = "num_samples"
-TIER_NAMES = ("com", "ord", "sup")
 BYTE_COLUMNS = tuple(f"bytes_{d}_{t}" for d in ("up", "down") for t in TIER_NAMES)
 # per round, per tier, over the clients that trained their tier's model: how many, their
 # mean round time (s) and mean counted local-training FLOPs
@@ -589,71 +587,7 @@ class HMPLServer(Server):
         return out
 
     def write_artifacts(self, out_dir: Path, plots: bool) -> None:
-        """``tiers.json``: each client's tier, Sup depth, the round time that ranked it and
-        its final accuracy, each tier's mean accuracy, and the thresholds. The accuracies
-        are summary.json's ``acc_clients_final``, which a finished run writes first.
-        ``accuracy_tiers.png``: metrics.csv's ``acc_mean_<tier>`` per evaluated round,
-        beside all clients' mean and the aggregated Ord model's."""
-        if self.reduced:
-            return
-        path = out_dir / "summary.json"
-        summary = read_json(path) if path.exists() else {}
-        acc = summary.get("acc_clients_final")
-        if not isinstance(acc, list) or len(acc) != len(self.tiers):
-            acc = [None] * len(self.tiers)
-        acc = [a if isinstance(a, int | float) and math.isfinite(a) else None for a in acc]
-        bound = self.bound() if self.thresholds is not None else None
-        clients = []
-        for c, (t, d, s, g, a) in enumerate(zip(self.tiers, self.depths, self.times,
-                                                self.stopped, acc, strict=True)):
-            row = {"client": c, "tier": t, "depth": d if t == "sup" else 0, "time_s": s,
-                   "growth_stopped": g}
-            if t == "sup":
-                # the stage it keeps and its time there, against the bound
-                depth, time = self.kept(c)
-                dropped = [k for k in range(d + 1, SUP_MAX_DEPTH + 1)
-                           if self.sup_times[c][k - 1] is not None]
-                row.update({"kept_depth": depth, "kept_time_s": time,
-                            "within_bound": None if time is None or bound is None
-                            else time <= bound,
-                            "reverted_from": dropped[-1] if dropped else None})
-            clients.append({**row, "acc_final": a})
-        means = {}
-        for tier in TIER_NAMES:  # a client not ranked (never timed) trained the Ord model
-            mine = [r["acc_final"] for r in clients
-                    if (r["tier"] or "ord") == tier and r["acc_final"] is not None]
-            means[tier] = sum(mine) / len(mine) if mine else None
-        write_json(out_dir / "tiers.json", {
-            "tier_ratio": self.hp.tier_ratio, "first_round": self.hp.first_round,
-            "growth_bound": self.hp.growth_bound, "bound_s": bound,
-            "growth_revert": self.hp.growth_revert, "thresholds": self.thresholds,
-            "acc_final_mean": means, "costs": summary.get("tier_costs"), "clients": clients})
-        rows = _read_metrics(out_dir / "metrics.csv")
-        if plots and rows:
-            from edgepfl.plotting import plot_accuracy_series
-            series = {f"{t.capitalize()} clients": f"acc_mean_{t}" for t in TIER_NAMES}
-            series.update({"all clients": "acc_mean", "aggregated Ord model": "acc_global_mean"})
-            plot_accuracy_series(rows, series, out_dir / "accuracy_tiers.png",
-                                 "hmpl: personal models' accuracy per tier",
-                                 dashed=("all clients", "aggregated Ord model"))
-
-
-def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
-
-
-def _read_metrics(path: Path) -> list[dict[str, float]]:
-    """The run's metrics.csv as numbers (an empty cell is NaN); [] without one."""
-    if not path.exists():
-        return []
-    def number(text: str | None) -> float:
-        try:
-            return float(text) if text else math.nan
-        except ValueError:
-            return math.nan
-
-    with path.open(newline="") as f:
-        return [{k: number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        write_tiers(self, out_dir, plots)
 
 
 class HMPLSServer(HMPLServer):
