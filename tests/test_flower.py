@@ -121,6 +121,10 @@ class ReversedGrid(LocalGrid):
                 "model.tiers.weak": "cnn_small_narrow"}, LocalGrid),
     ("hierbayes", {"partition.clients": 4, "topology.edges": 2}, ReversedGrid),  # MC figures
     ("fedavg", {"partition.clients": 4, "eval.validation": 0.25}, LocalGrid),  # val_* figures
+    ("feddyn", {"train.participation": 0.67}, ReversedGrid),  # grad_i on the node, h
+    ("lgfedavg", {"train.participation": 0.67}, LocalGrid),  # the local body on the node
+    ("fedrod", {"train.participation": 0.67}, LocalGrid),  # the personal head on the node
+    ("fedala", {}, ReversedGrid),  # theta_i and W_i on the node, ALA in round 2
 ])
 def test_flower_run_equals_the_simulation(algorithm, extra, grid, monkeypatch):
     """The same algorithm objects, seeds and data: every round's figures are identical,
