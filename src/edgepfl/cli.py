@@ -79,18 +79,33 @@ def _with_plugins(cfg, plugins: tuple[str, ...]):
     return cfg if merged == cfg.plugins else build_config({**cfg.model_dump(), "plugins": merged})
 
 
-def _threads(value: int | None) -> None:
-    """Threads are a property of the machine, not of the experiment, so not a setting."""
-    if value is not None:
-        if value < 1:
-            raise EdgepflError(f"--threads {value} must be at least 1")
-        import torch
+class _Threads(click.ParamType):
+    name = "N|auto"
 
-        torch.set_num_threads(value)
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if number < 1:
+            self.fail(f"{value!r}: give a number of threads >= 1, or auto", param, ctx)
+        return number
 
 
-THREADS_HELP = ("torch CPU threads (default: torch's choice; 1 is often fastest for small "
-                "models or when other jobs share the cores)")
+def _threads(overrides: tuple[str, ...], value: int | str | None) -> tuple[str, ...]:
+    """``--threads`` is ``--set train.threads=...`` for every run of the command."""
+    return overrides if value is None else (*overrides, f"train.threads={value}")
+
+
+def _job_threads(value: int | str | None) -> int | None:
+    """The torch threads of each worker process of a command running jobs at once."""
+    return value if isinstance(value, int) else None
+
+
+THREADS_HELP = ("torch CPU threads, the setting train.threads (default auto: 1 for small "
+                "models, else the cores no other process keeps busy)")
 
 
 def _print_summary(summary: dict, out: Path | None) -> None:
@@ -147,17 +162,18 @@ def main(log_level: str) -> None:
               help="continue the run in this directory from its last checkpoint; with "
               "--set train.rounds=N (more than it has) extend a finished run")
 @click.option("--quiet", is_flag=True, help="no progress display")
-@click.option("--threads", type=int, help=THREADS_HELP)
+@click.option("--threads", type=_Threads(), help=THREADS_HELP)
 @_plugin_option
 @_user_errors(lambda: _how_to_resume(_RUN_DIR.get("dir")))
 def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
-        resume: Path | None, quiet: bool, threads: int | None, plugins: tuple[str, ...]) -> None:
+        resume: Path | None, quiet: bool, threads: int | str | None,
+        plugins: tuple[str, ...]) -> None:
     """Run one algorithm. With no arguments: FedAvg on digits, 10 clients, Dirichlet 0.3."""
     from edgepfl.config import config_from_sources, load_config_file
     from edgepfl.engine.simulation import resume_run, start_run
     from edgepfl.io import read_json
 
-    _threads(threads)
+    overrides = _threads(overrides, threads)
     _RUN_DIR.pop("dir", None)
     if resume is not None:
         _RUN_DIR["dir"] = resume
@@ -246,18 +262,18 @@ def _print_table(kind: str, out: Path) -> None:
               "runs with the study's best setting, the others at their defaults, and the "
               "table says which (repeatable, one study per algorithm)")
 @click.option("--quiet", is_flag=True, help="no progress display")
-@click.option("--threads", type=int, help=THREADS_HELP)
+@click.option("--threads", type=_Threads(), help=THREADS_HELP)
 @_plugin_option
 @_user_errors(RESUMABLE)
 def compare(config: Path | None, algorithms: str, seeds: str | None, reference: str | None,
             overrides: tuple[str, ...], out: Path | None, jobs: int, tuned: tuple[Path, ...],
-            quiet: bool, threads: int | None, plugins: tuple[str, ...]) -> None:
+            quiet: bool, threads: int | str | None, plugins: tuple[str, ...]) -> None:
     """Compare algorithms on the same partition and client sequence, over seeds: mean,
     sample std and 95% t-interval per algorithm, and each one's paired difference to the
     reference."""
     from datetime import datetime
 
-    _threads(threads)
+    overrides = _threads(overrides, threads)
     from edgepfl.algorithms import get_algorithm
     from edgepfl.config import config_from_sources
     from edgepfl.report.compare import compare as run_compare
@@ -274,7 +290,8 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
         settings, notes = tuned_settings(tuned, names, cfg, echo=click.echo)
     out = out or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_compare(cfg, names, seed_list, out, progress=_progress_flag(quiet), echo=click.echo,
-                jobs=jobs, threads=threads, reference=reference, settings=settings,
+                jobs=jobs, threads=_job_threads(threads), reference=reference,
+                settings=settings,
                 tuned=notes)
     _print_table("comparison", out)
 
@@ -291,12 +308,12 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
               help="output directory (default runs/sweep-<time>)")
 @click.option("--jobs", type=int, default=1, show_default=True, help=JOBS_HELP)
 @click.option("--quiet", is_flag=True, help="no progress display")
-@click.option("--threads", type=int, help=THREADS_HELP)
+@click.option("--threads", type=_Threads(), help=THREADS_HELP)
 @_plugin_option
 @_user_errors(RESUMABLE)
 def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
           overrides: tuple[str, ...], out: Path | None, jobs: int, quiet: bool,
-          threads: int | None, plugins: tuple[str, ...]) -> None:
+          threads: int | str | None, plugins: tuple[str, ...]) -> None:
     """Run every combination of settings over seeds: one run directory each, and a table of
     best and final accuracy (mean, sample std, 95% t-interval over seeds) per combination.
 
@@ -305,7 +322,7 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
     """
     from datetime import datetime
 
-    _threads(threads)
+    overrides = _threads(overrides, threads)
     from edgepfl.config import config_from_sources
     from edgepfl.report.sweep import parse_grid
     from edgepfl.report.sweep import sweep as run_sweep
@@ -315,7 +332,7 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
     seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
     out = out or Path("runs") / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_sweep(cfg, axes, seed_list, out, progress=_progress_flag(quiet), echo=click.echo,
-              jobs=jobs, threads=threads)
+              jobs=jobs, threads=_job_threads(threads))
     _print_table("sweep", out)
 
 
@@ -346,12 +363,12 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
               help="stop a trial whose best validation accuracy so far is under the median of "
               "the earlier trials' at the same round")
 @click.option("--quiet", is_flag=True, help="no progress display")
-@click.option("--threads", type=int, help=THREADS_HELP)
+@click.option("--threads", type=_Threads(), help=THREADS_HELP)
 @_plugin_option
 @_user_errors("the study keeps every finished trial: the same command again goes on with it")
 def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str, ...],
          space: tuple[str, ...], study: Path | None, jobs: int, seed: int, prune: bool,
-         quiet: bool, threads: int | None, plugins: tuple[str, ...]) -> None:
+         quiet: bool, threads: int | str | None, plugins: tuple[str, ...]) -> None:
     """Search an algorithm's hyperparameters on the validation split (Optuna, TPE): each
     trial a run scored by its best mean validation accuracy over the rounds; tune.md and
     tune.csv list the trials, best.json holds the best setting for compare --tuned.
@@ -360,7 +377,7 @@ def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str,
     edgepfl tune --algorithm fedprox --trials 30 --set eval.validation=0.2 \\
         --study runs/tune-fedprox
     """
-    _threads(threads)
+    overrides = _threads(overrides, threads)
     from edgepfl.algorithms import get_algorithm
     from edgepfl.config import config_from_sources
     from edgepfl.report.tune import study_location
@@ -371,7 +388,7 @@ def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str,
     folder, _ = study_location(study, algorithm)
     fixed = [o.partition("=")[0].strip() for o in overrides]
     best = run_tune(cfg, algorithm, trials, folder if study is None else study, space=space,
-                    fixed=fixed, seed=seed, jobs=jobs, threads=threads,
+                    fixed=fixed, seed=seed, jobs=jobs, threads=_job_threads(threads),
                     pruner="median" if prune else "none", progress=_progress_flag(quiet),
                     echo=click.echo)
     click.echo((folder / "tune.md").read_text())

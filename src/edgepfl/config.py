@@ -184,9 +184,16 @@ class TrainConfig(_Section):
         "auto", description="where clients train and evaluate and KAPC's Gram matrices are "
         "formed: auto = the GPU when PyTorch sees one, else the CPU; results equal the CPU's "
         "within float tolerance (docs/architecture.md, 'Devices')")
+    threads: int | Literal["auto"] = Field(
+        "auto", description="torch CPU threads of this process (--threads sets it): auto = the "
+        "cores no other process keeps busy, measured at the start and after every round (a "
+        "step of under 20 MFLOPs a thread is not split further); how a run executes, not what "
+        "it computes, though the last bits of floats may differ with the count: fix it for "
+        "bit-identical reruns (bench/speed/README.md, 'Threads')")
     workers: int | Literal["auto"] = Field(
         1, description="clients of a round trained at the same time, each in a worker process "
-        "of one thread (simulation on the CPU; auto = one per core); metrics equal the "
+        "of one thread (simulation on the CPU; auto = one per core no other process keeps "
+        "busy); metrics equal the "
         "sequential run's")
 
     batch_clients: bool = Field(
@@ -219,6 +226,13 @@ class TrainConfig(_Section):
     def _workers(cls, value: int | str) -> int | str:
         if value != "auto" and (isinstance(value, bool) or value < 1):
             raise ValueError(f"{value!r}: give a number of processes >= 1, or 'auto'")
+        return value
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, value: int | str) -> int | str:
+        if value != "auto" and (isinstance(value, bool) or value < 1):
+            raise ValueError(f"{value!r}: give a number of threads >= 1, or 'auto'")
         return value
 
     @model_validator(mode="after")

@@ -409,7 +409,8 @@ def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 # how a run executes, not what it computes: a run may be resumed with other values
-EXECUTION = ("rounds", "device", "workers", "batch_clients", "store", "store_dir", "compile")
+EXECUTION = (
+    "rounds", "device", "threads", "workers", "batch_clients", "store", "store_dir", "compile")
 # where a run is reported, not what it computes: trackers may be added or dropped
 TRACKING = ("trackers", "mlflow_uri", "experiment")
 

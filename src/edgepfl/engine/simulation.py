@@ -49,6 +49,7 @@ from edgepfl.engine.rundir import (
     save_checkpoint,
     with_before,
 )
+from edgepfl.engine.threads import ThreadGovernor, step_flops
 from edgepfl.engine.transport import ClientFailure, ClientReply, Figures, Transport
 from edgepfl.engine.workers import WorkerPool, worker_count
 from edgepfl.errors import ConfigError, DataError, EdgepflError
@@ -299,6 +300,14 @@ class Simulation:
         self.server, self.edges = self.rounds.server, self.rounds.edges
         self.client = self.transport.parts[parts.first.name]
         self.clients = self.transport.store
+        self.threads = ThreadGovernor(cfg.train.threads, self._step_flops)
+
+    def _step_flops(self) -> float | None:
+        """The largest architecture's training step, for ``train.threads = auto``."""
+        sample = torch.zeros(self.dataset.input_shape)
+        counts = [step_flops(t.model, sample, self.cfg.train.batch_size)
+                  for t in self.parts.trainers.values()]
+        return None if None in counts else max(counts, default=None)
 
     # the run's progress lives in the round protocol
     @property
@@ -343,7 +352,7 @@ class Simulation:
             self._write_setup()
         summary = run_rounds(self.rounds, self.out_dir,
                              label=label or f"{cfg.algorithm.name} on {cfg.dataset.name}",
-                             progress=self.progress, hooks=hooks,
+                             progress=self.progress, hooks=[*hooks, self.threads],
                              clients=lambda: self.clients.state_dict("client/"),
                              extra=self._summary_extra)
         return RunResult(summary, self.metrics, self.out_dir, list(self.client_acc))

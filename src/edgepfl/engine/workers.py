@@ -15,24 +15,25 @@ parent's memory, so the object set here before the pool starts is the workers' t
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from edgepfl.engine.threads import free_cores
 from edgepfl.errors import ConfigError
 
 _job: Callable[[Any], Any] | None = None
 
 
 def worker_count(setting: int | str, device: torch.device) -> int:
-    """``train.workers`` as a number of processes (1: train in this process)."""
-    count = (os.cpu_count() or 1) if setting == "auto" else int(setting)
+    """``train.workers`` as a number of processes (1: train in this process); ``auto``:
+    the cores no other process keeps busy (``engine.threads``), on the CPU."""
+    if setting == "auto":
+        return free_cores() if device.type == "cpu" else 1
+    count = int(setting)
     if count > 1 and device.type != "cpu":
-        if setting == "auto":
-            return 1
         raise ConfigError(
             f"train.workers = {setting} trains clients in CPU worker processes, but "
             f"train.device resolves to {device.type!r}; on a GPU clients train one after "
