@@ -30,9 +30,14 @@ lint: setup
 SENSITIVE := tests/test_batch_clients.py tests/test_workers.py tests/test_golden.py \
 	tests/test_kapc.py tests/test_dcpfl.py
 
+# one test process per core (pytest-xdist), each test on one torch thread (tests/conftest.py):
+# the suite's tiny models gain nothing from a second thread, and a second process halves
+# the time; worksteal hands a process that ran out the tests another still has queued
+PARALLEL := -n auto --dist worksteal
+
 test: lint
-	$(VENV)/bin/pytest
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(VENV)/bin/pytest -q $(SENSITIVE)
+	$(VENV)/bin/pytest $(PARALLEL)
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(VENV)/bin/pytest -q $(PARALLEL) $(SENSITIVE)
 
 bench: setup
 	$(PY) bench/speed/throughput.py
