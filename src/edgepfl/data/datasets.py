@@ -14,31 +14,29 @@ form, feature vectors included (``[n, d]`` stored as ``[n, d, 1, 1]``).
 
 from __future__ import annotations
 
-import contextlib
 import gzip
-import hashlib
-import http.client
 import importlib
 import math
 import os
 import pickle
-import tarfile
-import tempfile
-import urllib.request
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from edgepfl.config import DatasetConfig
+
+# The loaders call the download by this module's name: the one seam tests replace to stay
+# offline (and the loaders' ``download`` flag would shadow the plain name).
+from edgepfl.data.downloads import download as _download
+from edgepfl.data.downloads import extract_tarball, md5_matches
 from edgepfl.errors import ConfigError, DataError, EdgepflError
 
 DATA_ENV = "EDGEPFL_DATA"
 NO_DOWNLOAD_ENV = "EDGEPFL_NO_DOWNLOAD"
-DOWNLOAD_TIMEOUT_S = 10.0
 
 DATASETS: dict[str, str] = {
     "mnist": "MNIST handwritten digits, 1x28x28, 10 classes, 60,000 train / 10,000 test",
@@ -324,36 +322,7 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-# --------------------------------------------------------------------------- downloads
-
-
-def _download(url: str, dest: Path, md5: str, timeout: float = DOWNLOAD_TIMEOUT_S) -> None:
-    """Fetch ``url`` into ``dest`` if its md5 matches; raise DataError otherwise.
-
-    Written to a temporary file beside ``dest`` and renamed into place, so an interrupted
-    or corrupt download never leaves a half file that a later run would try to read.
-    """
-    tmp: str | None = None
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-        digest = hashlib.md5(usedforsecurity=False)
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as resp:
-            while chunk := resp.read(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
-        if digest.hexdigest() != md5:
-            raise DataError(
-                f"download of {url} has md5 {digest.hexdigest()}, expected {md5}; discarded"
-            )
-        os.replace(tmp, dest)
-        tmp = None
-    except (OSError, ValueError, http.client.HTTPException) as exc:
-        raise DataError(f"could not download {url}: {exc}") from exc
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+# --------------------------------------------------------------------------- missing files
 
 
 def _missing_error(
@@ -664,45 +633,6 @@ def _read_cifar_bin(path: Path, spec: _CifarSpec) -> tuple[np.ndarray, np.ndarra
     return rows[:, spec.label_bytes :].reshape(-1, 3, 32, 32), labels
 
 
-def _extract_tarball(archive: Path, root: Path, folder: str) -> None:
-    """Extract the regular files under ``folder/`` only, each written atomically."""
-    try:
-        with tarfile.open(archive, "r:gz") as tar:
-            for member in tar:
-                parts = PurePosixPath(member.name).parts
-                # Refuse anything that could land outside root (absolute, '..', links).
-                if not member.isfile() or not parts or parts[0] != folder or ".." in parts:
-                    continue
-                dest = root.joinpath(*parts)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                source = tar.extractfile(member)
-                if source is None:
-                    continue
-                fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-                try:
-                    with os.fdopen(fd, "wb") as out:
-                        while chunk := source.read(1 << 20):
-                            out.write(chunk)
-                    os.replace(tmp, dest)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)
-                    raise
-    except (OSError, tarfile.TarError, EOFError, zlib.error) as exc:
-        raise DataError(f"cannot extract {archive}: {exc}") from exc
-
-
-def _md5_matches(path: Path, md5: str) -> bool:
-    digest = hashlib.md5(usedforsecurity=False)
-    try:
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc}") from exc
-    return digest.hexdigest() == md5
-
-
 def _load_cifar(spec: _CifarSpec, root: Path, download: bool) -> _Raw:
     bin_dir, py_dir = root / spec.bin_dir, root / spec.py_dir
     bin_files = [bin_dir / f for f in (*spec.bin_train, spec.bin_test)]
@@ -713,12 +643,12 @@ def _load_cifar(spec: _CifarSpec, root: Path, download: bool) -> _Raw:
         # interrupted) is used without any network access.
         archive = root / spec.url.rsplit("/", 1)[1]
         try:
-            verified = archive.is_file() and _md5_matches(archive, spec.md5)
+            verified = archive.is_file() and md5_matches(archive, spec.md5)
             if not verified and download:
                 _download(spec.url, archive, spec.md5)
                 verified = True
             if verified:
-                _extract_tarball(archive, root, spec.bin_dir)
+                extract_tarball(archive, root, spec.bin_dir)
             elif archive.is_file():
                 failures.append(f"{archive} is there but its md5 is not {spec.md5}; ignored")
         except DataError as exc:
