@@ -162,62 +162,83 @@ def _label_indices(train: _Split, test: _Split | None, names: tuple[str, ...] | 
     """Labels as class indices 0..K-1 and the class names: integer labels are indices
     (named by ``names`` or by their number), string labels are class names (sorted)."""
     parts = [(train.y, train.where)] + ([] if test is None else [(test.y, test.where)])
-    for y, where in parts:
-        if y.ndim != 1:
-            raise DataError(f"{where}: labels must be one per sample (shape [n]), got shape "
-                            f"{list(y.shape)}")
-        if y.size and y.dtype.kind not in "iuUS":
-            raise DataError(f"{where}: labels of type {y.dtype} (e.g. {y.flat[0]!r}) are not "
-                            f"integers; labels must be integer class indices 0..K-1 or class "
-                            f"names (strings), e.g. y.astype(np.int64)")
-    if names is not None:
-        repeated = sorted({n for n in names if list(names).count(n) > 1})
-        if repeated:
-            raise DataError(f"{train.where}: class names {repeated} appear more than once in "
-                            f"the classes {list(names)}; each class needs a name of its own")
+    _check_labels(parts, names, train.where)
     kinds = {"text" if y.dtype.kind in "US" else "int" for y, _ in parts if y.size}
     if len(kinds) > 1:
         raise DataError(f"{train.where} and {parts[1][1]}: labels are integers in one and "
                         f"names in the other; use one kind for both")
     if kinds == {"text"}:
-        if names is None:
-            names = tuple(str(v) for v in np.unique(np.concatenate([y.astype(str) for y, _ in parts])))
-        lookup = {n: i for i, n in enumerate(names)}
-        out = []
-        for y, where in parts:
-            text = y.astype(str)
-            unknown = sorted(set(np.unique(text).tolist()) - set(lookup))
-            if unknown:
-                raise DataError(f"{where}: label {unknown[0]!r} is not one of the classes "
-                                f"{list(names)}")
-            out.append(np.array([lookup[v] for v in text.tolist()], dtype=np.int64))
+        out, names = _named_labels(parts, names)
     else:
-        out = [y.astype(np.int64) for y, _ in parts]
-        for y, where in zip(out, (w for _, w in parts), strict=True):
-            if y.size and int(y.min()) < 0:
-                raise DataError(f"{where}: label {int(y.min())} is negative; labels are class "
-                                f"indices 0..K-1")
-        top = max((int(y.max()) for y in out if y.size), default=-1)
-        if names is None:
-            present = np.unique(np.concatenate(out)).size if top >= 0 else 0
-            absent = top + 1 - present
-            if absent > max(present, 100):
-                # ids such as 1000, 2000 or hashes: K = top + 1 classes would build a
-                # classifier of that width (and run out of memory for a large id)
-                raise DataError(f"{train.where}: labels go up to {top} but only {present} "
-                                f"distinct values occur, so {absent} of the {top + 1} classes "
-                                "0..K-1 would have no sample; map them to 0..K-1 (labels, y = "
-                                "np.unique(y, return_inverse=True)) or give them as strings "
-                                "(class names)")
-            names = tuple(str(c) for c in range(top + 1))
-        elif top >= len(names):
-            bad = next(where for y, (_, where) in zip(out, parts, strict=True)
-                       if y.size and int(y.max()) == top)
-            raise DataError(f"{bad}: label {top} has no class name; valid labels are "
-                            f"0..{len(names) - 1} ({len(names)} classes named)")
+        out, names = _numbered_labels(parts, names, train.where)
     if not names:
         raise DataError(f"{train.where}: no labels")
     return out[0], (out[1] if len(out) > 1 else None), tuple(names)
+
+
+def _check_labels(parts: list[tuple[np.ndarray, str]], names: tuple[str, ...] | None,
+                  where: str) -> None:
+    """Refuse labels no class index can come from, and class names that repeat (one index
+    would then stand for two classes)."""
+    for y, split in parts:
+        if y.ndim != 1:
+            raise DataError(f"{split}: labels must be one per sample (shape [n]), got shape "
+                            f"{list(y.shape)}")
+        if y.size and y.dtype.kind not in "iuUS":
+            raise DataError(f"{split}: labels of type {y.dtype} (e.g. {y.flat[0]!r}) are not "
+                            f"integers; labels must be integer class indices 0..K-1 or class "
+                            f"names (strings), e.g. y.astype(np.int64)")
+    if names is not None:
+        repeated = sorted({n for n in names if list(names).count(n) > 1})
+        if repeated:
+            raise DataError(f"{where}: class names {repeated} appear more than once in "
+                            f"the classes {list(names)}; each class needs a name of its own")
+
+
+def _named_labels(parts: list[tuple[np.ndarray, str]], names: tuple[str, ...] | None
+                  ) -> tuple[list[np.ndarray], tuple[str, ...]]:
+    """String labels as indices into ``names``, else into the sorted names that occur."""
+    if names is None:
+        names = tuple(str(v) for v in np.unique(np.concatenate([y.astype(str) for y, _ in parts])))
+    lookup = {n: i for i, n in enumerate(names)}
+    out = []
+    for y, where in parts:
+        text = y.astype(str)
+        unknown = sorted(set(np.unique(text).tolist()) - set(lookup))
+        if unknown:
+            raise DataError(f"{where}: label {unknown[0]!r} is not one of the classes "
+                            f"{list(names)}")
+        out.append(np.array([lookup[v] for v in text.tolist()], dtype=np.int64))
+    return out, names
+
+
+def _numbered_labels(parts: list[tuple[np.ndarray, str]], names: tuple[str, ...] | None,
+                     where: str) -> tuple[list[np.ndarray], tuple[str, ...]]:
+    """Integer labels as they are; without ``names``, each class is named by its number."""
+    out = [y.astype(np.int64) for y, _ in parts]
+    for y, split in zip(out, (w for _, w in parts), strict=True):
+        if y.size and int(y.min()) < 0:
+            raise DataError(f"{split}: label {int(y.min())} is negative; labels are class "
+                            f"indices 0..K-1")
+    top = max((int(y.max()) for y in out if y.size), default=-1)
+    if names is None:
+        present = np.unique(np.concatenate(out)).size if top >= 0 else 0
+        absent = top + 1 - present
+        if absent > max(present, 100):
+            # ids such as 1000, 2000 or hashes: K = top + 1 classes would build a
+            # classifier of that width (and run out of memory for a large id)
+            raise DataError(f"{where}: labels go up to {top} but only {present} "
+                            f"distinct values occur, so {absent} of the {top + 1} classes "
+                            "0..K-1 would have no sample; map them to 0..K-1 (labels, y = "
+                            "np.unique(y, return_inverse=True)) or give them as strings "
+                            "(class names)")
+        names = tuple(str(c) for c in range(top + 1))
+    elif top >= len(names):
+        bad = next(split for y, (_, split) in zip(out, parts, strict=True)
+                   if y.size and int(y.max()) == top)
+        raise DataError(f"{bad}: label {top} has no class name; valid labels are "
+                        f"0..{len(names) - 1} ({len(names)} classes named)")
+    return out, names
 
 
 def _client_indices(train: _Split, test: _Split | None
