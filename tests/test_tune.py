@@ -14,14 +14,14 @@ from edgepfl.cli import main
 from edgepfl.config import TrainConfig, build_config
 from edgepfl.engine.parts import resolve
 from edgepfl.errors import ConfigError
-from edgepfl.report.tune import (
+from edgepfl.report.search_space import (
     TRAIN_SPACE,
     default_space,
     parse_space,
     search_space,
     spec_text,
-    tune,
 )
+from edgepfl.report.tune import tune
 from tests.conftest import fast_config
 
 optuna = pytest.importorskip("optuna")
