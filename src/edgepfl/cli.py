@@ -285,7 +285,7 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
     seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
     settings = notes = None
     if tuned:
-        from edgepfl.report.tune import tuned_settings
+        from edgepfl.report.compare_tuned import tuned_settings
 
         settings, notes = tuned_settings(tuned, names, cfg, echo=click.echo)
     out = out or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}"

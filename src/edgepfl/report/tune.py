@@ -9,7 +9,8 @@ afterwards (``compare --tuned``) would then flatter whichever method was tuned h
 
 The search space (``report.search_space``) is the common one (``TRAIN_SPACE``, the
 learning rate) with the algorithm's own (``Hyperparameters.search_space``), less the
-settings ``--set`` fixes, with ``--space`` on top.
+settings ``--set`` fixes, with ``--space`` on top. What a study chose is read back for a
+comparison by ``report.compare_tuned``.
 
 Resuming and sharing. The study is the record: the same command again counts the trials
 that are done (complete, pruned, or failed because of their configuration) and runs the
@@ -44,10 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 from edgepfl.algorithms import get_algorithm
 from edgepfl.algorithms.base import IntRange, LogUniform, SearchRange, Uniform
-from edgepfl.config import Config, build_config, parse_value, set_dotted
+from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.engine.rundir import Hook, config_diff, without_rounds
 from edgepfl.errors import ConfigError, EdgepflError
-from edgepfl.io import read_json, write_bytes_atomic, write_csv, write_json
+from edgepfl.io import write_bytes_atomic, write_csv, write_json
 from edgepfl.plotting import partition_words
 from edgepfl.report.runs import check_jobs, threads_per_job
 from edgepfl.report.search_space import (
@@ -141,13 +142,13 @@ def _same_study(stored: dict, given: dict, db: Path) -> None:
                     f"{_space_line(given['space'])}")
     a, b = stored.get("config") or {}, given["config"]
     diff += [d.replace(": run has ", ": study has ")
-             for d in config_diff(_settings_of(a), _settings_of(b))]
+             for d in config_diff(settings_of(a), settings_of(b))]
     if diff:
         raise ConfigError(f"{db} holds a study of another search:\n  " + "\n  ".join(diff)
                           + "\nrun the command it was started with, or choose another --study")
 
 
-def _settings_of(cfg: dict) -> dict:
+def settings_of(cfg: dict) -> dict:
     """What a configuration computes, its length included: without where it runs and
     where it is reported."""
     out = without_rounds(cfg)
@@ -310,7 +311,7 @@ def _run_trial(study, trial, params: dict, base: dict, folder: Path,
         trial.set_user_attr("rounds", hook.round)
         study.tell(trial, state=TrialState.PRUNED)
         echo(f"trial {trial.number} pruned after round {hook.round} (best validation "
-             f"{_pct(hook.best)}): {point}")
+             f"{pct(hook.best)}): {point}")
         return
     except (KeyboardInterrupt, SystemExit):
         trial.set_user_attr("interrupted", "stopped by the user")
@@ -332,7 +333,7 @@ def _run_trial(study, trial, params: dict, base: dict, folder: Path,
     trial.set_user_attr("rounds", s.get("rounds"))
     trial.set_user_attr("val_best_round", s.get("val_best_round"))
     study.tell(trial, value)
-    echo(f"trial {trial.number} complete: best validation {_pct(value)} (round "
+    echo(f"trial {trial.number} complete: best validation {pct(value)} (round "
          f"{s.get('val_best_round')}): {point}")
 
 
@@ -344,7 +345,7 @@ def _failed(study, trial, text: str, point: str, echo: Callable[[str], None]) ->
     echo(f"trial {trial.number} failed: {text.splitlines()[0] if text else ''} ({point})")
 
 
-def _pct(value: float | None) -> str:
+def pct(value: float | None) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{100 * value:.2f}%"
 
 
@@ -588,7 +589,7 @@ def tune_markdown(rows: list[dict], record: dict, space: dict[str, str], best: d
     ]
     for r in rows:
         mark = "**" if best and r["trial"] == best["trial"] else ""
-        cells = [f"{mark}{r['trial']}{mark}", r["state"], _pct(r[OBJECTIVE]),
+        cells = [f"{mark}{r['trial']}{mark}", r["state"], pct(r[OBJECTIVE]),
                  _cell(r["val_best_round"]), _cell(r["rounds"]),
                  *(_param(r[k]) for k in space), _cell(r["run_dir"])]
         lines.append("| " + " | ".join(cells) + " |")
@@ -599,7 +600,7 @@ def tune_markdown(rows: list[dict], record: dict, space: dict[str, str], best: d
     lines.append("")
     if best:
         sets = " ".join(f"--set {s}" for s in best["settings"])
-        lines += [f"Best: trial {best['trial']}, {_pct(best['value'])} on validation "
+        lines += [f"Best: trial {best['trial']}, {pct(best['value'])} on validation "
                   f"(in bold above): `{sets}`. On test, over seeds other than the study's, "
                   "in its setting, beside the others (tuned with the same budget):",
                   "",
@@ -617,105 +618,3 @@ def _param(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return _cell(value)
-
-
-# -- compare --tuned ----------------------------------------------------------------------
-def load_best(path: Path) -> tuple[dict, Path]:
-    """A study's best.json from the study's folder, its study.db or the file itself, and
-    the study's folder."""
-    path = Path(path)
-    if path.is_dir():
-        folder, file = path, path / BEST
-    elif path.suffix == ".db":
-        folder, file = path.parent, path.parent / BEST
-    else:
-        folder, file = path.parent, path
-    if not file.exists():
-        hint = (" (the study has not finished a trial yet, or its tune was interrupted: the "
-                "same edgepfl tune command again finishes it and writes best.json)"
-                if (folder / DB_NAME).exists() else "")
-        raise ConfigError(f"--tuned {str(path)!r}: no {file} found{hint}; give a study "
-                          "folder, its study.db or its best.json")
-    best = read_json(file)
-    settings = best.get("settings") if isinstance(best, dict) else None
-    if (not isinstance(best, dict) or not isinstance(best.get("algorithm"), str)
-            or not isinstance(settings, list)
-            or not all(isinstance(s, str) and "=" in s for s in settings)):
-        raise ConfigError(f"--tuned {str(path)!r}: {file} is not a best.json written by "
-                          "edgepfl tune (it needs \"algorithm\" and \"settings\", a list of "
-                          "KEY=VALUE)")
-    return best, folder
-
-
-def tuned_settings(paths: Iterable[Path], algorithms: list[str], base: Config,
-                   echo: Callable[[str], None] = print) -> tuple[dict[str, dict], dict[str, str]]:
-    """From ``--tuned`` studies: each tuned algorithm's settings as {dotted key: value}
-    and a line saying what it was tuned with, for the comparison table. A study of an
-    algorithm not compared, or two of one, is an error; a study run in another setting
-    than the comparison's is noted."""
-    settings: dict[str, dict] = {}
-    notes: dict[str, str] = {}
-    source: dict[str, Path] = {}
-    counted: dict[str, int] = {}
-    pruners: dict[str, Any] = {}
-    given = base.model_dump()
-    for path in paths:
-        best, folder = load_best(path)
-        name = best["algorithm"]
-        if name not in algorithms:
-            raise ConfigError(f"--tuned {str(path)!r} tuned {name}, which is not among "
-                              f"--algorithms {','.join(algorithms)}")
-        if name in settings:
-            raise ConfigError(f"--tuned names two studies of {name} ({source[name]} and "
-                              f"{path}); give one")
-        source[name] = Path(path)
-        values = {}
-        for item in best["settings"]:
-            key, _, raw = item.partition("=")
-            values[key.strip()] = parse_value(raw.strip())
-        settings[name] = values
-        trials = best.get("trials") if isinstance(best.get("trials"), dict) else {}
-        counted[name] = sum(v for k, v in trials.items()
-                            if k not in ("planned", "interrupted", "running"))
-        pruners[name] = best.get("pruner")
-        notes[name] = (f"tuned: {folder} (trial {best.get('trial')} of "
-                       f"{counted[name] or '?'}"
-                       + (f", pruner {pruners[name]}" if pruners[name] else "") + ", "
-                       f"best validation {_pct(best.get('value'))}): "
-                       + (", ".join(best["settings"]) or "(nothing searched)"))
-        overridden = [k for k in values if k.startswith("algorithm.") and (
-            k.split(".", 1)[1] in base.algorithm.hyperparameters()
-            or k.split(".", 1)[1] in (base.algorithm.hyperparameters().get(name) or {}))]
-        overridden += [k for k in values if k.startswith("train.")
-                       and k.split(".", 1)[1] in base.train.model_fields_set]
-        if overridden:
-            echo(f"note: {name}'s tuned {', '.join(overridden)} replace"
-                 f"{'s' if len(overridden) == 1 else ''} the value given for the comparison")
-        study_cfg = best.get("config")
-        if isinstance(study_cfg, dict):
-            here = copy.deepcopy(given)
-            here["algorithm"] = {"name": name}
-            there = copy.deepcopy(study_cfg)
-            there["algorithm"] = {"name": name}
-            for cfg in (here, there):
-                cfg.pop("seed", None)
-                cfg.pop("output", None)
-                for key in values:
-                    section, _, field = key.partition(".")
-                    if isinstance(cfg.get(section), dict):
-                        cfg[section].pop(field, None)
-            diff = config_diff(_settings_of(there), _settings_of(here))
-            if diff:
-                echo(f"note: {name} was tuned in another setting than this comparison's "
-                     "(its tuned values may not carry over):\n  "
-                     + "\n  ".join(d.replace("run has", "study has") for d in diff))
-    untuned = [a for a in algorithms if a not in settings]
-    if settings and untuned:
-        echo(f"note: {', '.join(untuned)} run at their defaults while "
-             f"{', '.join(settings)} were tuned: a difference between them is partly tuning, "
-             "not the method (tune each with the same budget for a fair comparison)")
-    if len(set(counted.values())) > 1 or len({str(v) for v in pruners.values()}) > 1:
-        echo("note: the studies had different budgets (" + ", ".join(
-            f"{n}: {counted[n]} trials, pruner {pruners[n]}" for n in settings)
-            + "): a difference between the tuned methods is partly the budget")
-    return settings, notes
