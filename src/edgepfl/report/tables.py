@@ -131,32 +131,44 @@ def report_table(run_dirs: list[Path]) -> str:
     # the wait for replies past faults.deadline, when any run waited: else the shares of a
     # round with a deadline would not add up to its time
     waited = any(run.summary.get("t_wait_total") for run in runs)
-
-    def per_round(run: RunRecord, col: str) -> float:
-        return run.per_round(col, TOTAL_KEYS[col])
-
     lines = ["# System cost of the runs", "",
              "Per-round figures are a run's totals divided by its rounds. Times are simulated "
              "seconds of a synchronous round on the run's edge network (docs/system.md); the "
              "percentages are shares of the round time. MB = 10^6 bytes; GFLOPs = 10^9 FLOPs "
              "counted by torch FlopCounterMode (matrix products and convolutions).", "",
-             "## Time per round (s)", "",
+             *_time_table(runs, tiered, waited), "",
+             *_traffic_table(runs, tiered), "",
+             *_totals_table(runs)]
+    return "\n".join(lines) + "\n"
+
+
+def _per_round(run: RunRecord, col: str) -> float:
+    return run.per_round(col, TOTAL_KEYS[col])
+
+
+def _time_table(runs: list[RunRecord], tiered: bool, waited: bool) -> list[str]:
+    lines = ["## Time per round (s)", "",
              _row(["run", "algorithm", "time", "U-comm", "D-comm", "client", "server"]
                   + (["backhaul", "edge"] if tiered else []) + (["wait"] if waited else [])),
              _row(["---"] * (7 + 2 * tiered + waited))]
     for run in runs:
-        t = per_round(run, "t_round")
+        t = _per_round(run, "t_round")
         lines.append(_row([run.label, str(run.summary.get("algorithm", NA)), _fmt(t),
-                           _share(per_round(run, "t_up"), t), _share(per_round(run, "t_down"), t),
-                           _share(per_round(run, "t_compute"), t),
-                           _share(per_round(run, "t_server"), t)]
-                          + ([_share(per_round(run, "t_backhaul"), t),
-                              _share(per_round(run, "t_edge"), t)] if tiered else [])
-                          + ([_share(per_round(run, "t_wait"), t)] if waited else [])))
-    lines += ["", "## Communication and computation per round", "",
-              _row(["run", "algorithm", "U-comm (MB)", "D-comm (MB)", "C-comp (GFLOPs)",
-                    "S-comp (GFLOPs)"] + (["edge-cloud U (MB)", "edge-cloud D (MB)"] if tiered else [])),
-              _row(["---"] * (8 if tiered else 6))]
+                           _share(_per_round(run, "t_up"), t),
+                           _share(_per_round(run, "t_down"), t),
+                           _share(_per_round(run, "t_compute"), t),
+                           _share(_per_round(run, "t_server"), t)]
+                          + ([_share(_per_round(run, "t_backhaul"), t),
+                              _share(_per_round(run, "t_edge"), t)] if tiered else [])
+                          + ([_share(_per_round(run, "t_wait"), t)] if waited else [])))
+    return lines
+
+
+def _traffic_table(runs: list[RunRecord], tiered: bool) -> list[str]:
+    lines = ["## Communication and computation per round", "",
+             _row(["run", "algorithm", "U-comm (MB)", "D-comm (MB)", "C-comp (GFLOPs)",
+                   "S-comp (GFLOPs)"] + (["edge-cloud U (MB)", "edge-cloud D (MB)"] if tiered else [])),
+             _row(["---"] * (8 if tiered else 6))]
     for run in runs:
         lines.append(_row([
             run.label, str(run.summary.get("algorithm", NA)),
@@ -164,17 +176,21 @@ def report_table(run_dirs: list[Path]) -> str:
             # columns, so a tiered row and a star's compare alike
             _fmt(_client_link(run, "up") / 1e6),
             _fmt(_client_link(run, "down") / 1e6),
-            _fmt(per_round(run, "flops_client") / 1e9),
-            _fmt(per_round(run, "flops_server") / 1e9, 4)]
+            _fmt(_per_round(run, "flops_client") / 1e9),
+            _fmt(_per_round(run, "flops_server") / 1e9, 4)]
             + ([_fmt(run.per_round("bytes_up_edge", "bytes_up_edge_total") / 1e6),
                 _fmt(run.per_round("bytes_down_edge", "bytes_down_edge_total") / 1e6)]
                if tiered else [])))
-    lines += ["", "## Accuracy, totals and memory", "",
-              _row(["run", "algorithm", "dataset", "rounds", "best mean acc (%)",
-                    "final mean acc (%)", "final std across clients (%)",
-                    "final worst client (%)", "simulated time (s)", "MB up + down",
-                    "server state (MB)", "peak RSS (MB)"]),
-              _row(["---"] * 12)]
+    return lines
+
+
+def _totals_table(runs: list[RunRecord]) -> list[str]:
+    lines = ["## Accuracy, totals and memory", "",
+             _row(["run", "algorithm", "dataset", "rounds", "best mean acc (%)",
+                   "final mean acc (%)", "final std across clients (%)",
+                   "final worst client (%)", "simulated time (s)", "MB up + down",
+                   "server state (MB)", "peak RSS (MB)"]),
+             _row(["---"] * 12)]
     for run in runs:
         s = run.summary
         total_mb = (run.total("bytes_up", "bytes_up_total")
@@ -186,7 +202,7 @@ def report_table(run_dirs: list[Path]) -> str:
             _fmt(run.total("t_round", TOTAL_KEYS["t_round"]), 1), _fmt(total_mb),
             _fmt(_get(s, "server_state_bytes") / 1e6, 3),
             _fmt(_get(s, "peak_rss_bytes") / 1e6, 1)]))
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _get(summary: dict, key: str) -> float:
