@@ -271,6 +271,16 @@ class EvalConfig(_Section):
         "validation split (seeded, label-stratified); when set, val_acc_* columns are "
         "recorded and the best round, early stopping and the protocol figure are chosen on "
         "validation, with test accuracy reported at the validation-best round")
+    new_clients: float = Field(
+        0.0, ge=0.0, lt=1.0, description="share of the clients held out of training (seeded "
+        "from the run seed alone: the same clients for every algorithm of a comparison), never "
+        "selected in any round; at each evaluated round each one is served as its method "
+        "would serve a newcomer (e.g. the global model fine-tuned for new_client_epochs) and "
+        "scored on its test split: acc_new_* columns, kept out of acc_*; 0 = off")
+    new_client_epochs: int = Field(
+        1, ge=0, description="local epochs a held-out client (eval.new_clients) fine-tunes "
+        "what it is served on its own training data, with the run's SGD settings (train.lr, "
+        "batch_size, momentum, weight_decay); 0 = what it is served, as is")
 
 
 class FaultsConfig(_Section):

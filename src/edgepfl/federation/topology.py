@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from edgepfl.errors import ConfigError
-from edgepfl.federation.rng import derive_seed, select_clients
+from edgepfl.federation.rng import derive_seed, generator, select_clients
 
 if TYPE_CHECKING:
     from edgepfl.config import Config
@@ -165,6 +166,8 @@ class Federation:
     edges: int = 0
     edge_rounds: int = 1
     order: tuple[str, ...] = ()  # architectures in configuration order: model.name, then tiers
+    # clients held out of training (eval.new_clients): never selected, served at evaluation
+    held_out: tuple[int, ...] = ()
 
     @property
     def num_clients(self) -> int:
@@ -184,15 +187,24 @@ class Federation:
     def members(self, edge: int) -> list[int]:
         return [cid for cid, p in enumerate(self.parent) if p == edge]
 
+    @property
+    def trained(self) -> list[int]:
+        """The clients that may train: all but the held-out ones (``eval.new_clients``)."""
+        held = set(self.held_out)
+        return [cid for cid in range(self.num_clients) if cid not in held]
+
     def select(self, seed: int, rnd: int, participation: float) -> list[int]:
         """The round's clients: in a star, the seeded sample every run has drawn
         (``select_clients``); in a hierarchy, round(participation * n_k), at least 1, of
-        each edge's n_k clients, from a stream of the edge's own."""
+        each edge's n_k clients, from a stream of the edge's own. Held-out clients
+        (``eval.new_clients``) are never chosen: the sample is drawn among the others."""
+        held = set(self.held_out)
         if not self.hierarchical:
-            return select_clients(seed, rnd, self.num_clients, participation)
+            pool = self.trained
+            return [pool[i] for i in select_clients(seed, rnd, len(pool), participation)]
         chosen: list[int] = []
         for k in range(self.edges):
-            members = self.members(k)
+            members = [c for c in self.members(k) if c not in held]
             picked = select_clients(derive_seed(seed, "edge", k), rnd, len(members), participation)
             chosen += [members[i] for i in picked]
         return sorted(chosen)
@@ -200,7 +212,8 @@ class Federation:
     def to_json(self) -> dict:
         return {"edges": self.edges, "edge_rounds": self.edge_rounds,
                 "clients": [{"client": c, "tier": self.tier[c], "arch": self.arch[c],
-                             "parent": "cloud" if self.parent[c] == CLOUD else self.parent[c]}
+                             "parent": "cloud" if self.parent[c] == CLOUD else self.parent[c],
+                             **({"held_out": True} if c in self.held_out else {})}
                             for c in range(self.num_clients)]}
 
     @classmethod
@@ -246,4 +259,29 @@ class Federation:
             raise ConfigError(f"topology.edge_rounds = {topo.edge_rounds} needs edge servers; "
                               "set topology.edges >= 1 (0 = star, where it must be 1)")
         order = (model.name, *(model.tiers[t.name] for t in system.tiers if t.name in model.tiers))
-        return cls(tier, flops, arch, tuple(parent), topo.edges, topo.edge_rounds, order)
+        held = held_out_clients(cfg.seed, num_clients, cfg.eval.new_clients, parent, topo.edges)
+        return cls(tier, flops, arch, tuple(parent), topo.edges, topo.edge_rounds, order, held)
+
+
+def held_out_clients(seed: int, num_clients: int, share: float, parent: Sequence[int],
+                     edges: int) -> tuple[int, ...]:
+    """The clients ``eval.new_clients`` holds out of training: round(share * N), at least
+    one when the share is above 0, drawn from the run seed alone (the same clients for
+    every algorithm at a seed). Refused where no client, or no client of an edge, would
+    be left to train."""
+    if share <= 0:
+        return ()
+    count = max(1, round(share * num_clients))
+    if count >= num_clients:
+        raise ConfigError(f"eval.new_clients = {share} holds out {count} of the "
+                          f"{num_clients} clients, which leaves none to train; give a "
+                          f"share below {(num_clients - 1) / num_clients:.3g}")
+    perm = torch.randperm(num_clients, generator=generator(seed, "new-clients"))
+    held = tuple(sorted(perm[:count].tolist()))
+    for k in range(edges):
+        members = [c for c, p in enumerate(parent) if p == k]
+        if members and set(members) <= set(held):
+            raise ConfigError(f"eval.new_clients = {share} holds out every client of edge {k} "
+                              f"(clients {members}), which leaves it none to train; give a "
+                              "smaller share (or more clients per edge)")
+    return held
