@@ -11,6 +11,10 @@
   global model for FedAvg, nothing for methods whose personal model stays on the client);
   ``Client.personal_model`` turns that and the client's state into the model it predicts
   with. Evaluation traffic is a measurement, not protocol, so it is not counted.
+* New clients (``eval.new_clients``): ``Server.new_client_message`` is what the server
+  gives a client that never trained, ``Client.new_client_model`` what that client makes
+  of it (by default: fine-tuned on its own data); an algorithm that has nothing to give a
+  stranger says why in ``Algorithm.no_new_clients``.
 """
 
 from __future__ import annotations
@@ -273,6 +277,13 @@ class Server(Stateful, ABC):
     def eval_message(self, cid: int) -> Message | None:
         return None
 
+    def new_client_message(self, cid: int) -> Message | None:
+        """What the server gives client ``cid`` that never trained (``eval.new_clients``)
+        to adapt from: by default its evaluation message (FedAvg's global model). A server
+        whose evaluation message is per client (or none) but that holds a model for
+        strangers (Ditto's global one) returns that. Not counted, as evaluation is not."""
+        return self.eval_message(cid)
+
     def check_reply(self, cid: int, reply: Message) -> None:
         """Raise ``MessageError`` if client ``cid``'s reply is not what this algorithm's
         clients send; called for every reply before ``aggregate``, which then sees only
@@ -444,6 +455,37 @@ class Client(ABC):
         method whose protocol personalizes at test time (hierbayes' Eq. 33)."""
         return {"": [self.personal_model(state, eval_msg)]}
 
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """The models client ``cid``, which never trained (``eval.new_clients``), predicts
+        with once served ``msg`` (``Server.new_client_message``): ``state`` is its initial
+        state (``init_state``), ``data`` its training data, ``epochs`` the local epochs it
+        may adapt for (``eval.new_client_epochs``), ``gen`` its batch generator. Default:
+        its personalized prediction (``predictive``), one model fine-tuned for ``epochs``
+        with the run's SGD settings (``fine_tuned``); a Monte Carlo predictive (several
+        models: fitted at test time already) as it is. A method whose newcomer starts from
+        another model, or adapts only a part of it, overrides this."""
+        models = self.predictive(cid, state, msg, data)[""]
+        if len(models) != 1:
+            return models
+        return [fine_tuned(self, models[0], data, epochs, gen)]
+
+
+def fine_tuned(client: Client, start: State, data: ClientData, epochs: int,
+               gen: torch.Generator, trainable: list[str] | None = None) -> State:
+    """``start`` trained for ``epochs`` local epochs on ``data`` with the run's SGD settings
+    (train.lr, batch_size, momentum, weight_decay), only the parameters ``trainable`` (all:
+    None); 0 epochs: ``start`` itself."""
+    if epochs == 0:
+        return start
+    t, trainer = client.ctx.train, client.trainer
+    trainer.load(start)
+    trainer.fit(data, epochs, t.batch_size, t.lr, gen, momentum=t.momentum,
+                weight_decay=t.weight_decay, trainable=trainable)
+    tuned = trainer.export()
+    trainer.forget()
+    return tuned
+
 
 def states_fit(client: Client) -> bool:
     """Whether ``client``'s update is its ``fit_request`` and ``finish``, which the engine
@@ -522,6 +564,10 @@ class Algorithm:
     complete: Callable[[Any, Hyperparameters], Hyperparameters] | None = None
     # the differential privacy it takes (privacy.level), and why it refuses the rest
     privacy: PrivacySupport = PrivacySupport(refused="its privacy has not been reviewed")
+    # why it cannot serve a client that never trained (eval.new_clients): a method whose
+    # server keeps only per-client models has nothing to give a stranger. Empty: it serves
+    # one (Server.new_client_message, Client.new_client_model)
+    no_new_clients: str = ""
 
     def parse_hyperparameters(self, values: dict[str, Any]) -> Hyperparameters:
         from pydantic import ValidationError

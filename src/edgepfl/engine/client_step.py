@@ -112,17 +112,35 @@ def evaluate_client(client, trainer, cid: int, state, eval_msg: Message | None,
     its input shapes when images are cropped; whole images are one), and its personalized
     prediction on its validation split when it has one."""
     models = client.predictive(cid, state, eval_msg, train)
-
-    def score(states, data: TestData) -> tuple[int, float]:
-        figures = [trainer.evaluate_predictive(states, x, y) for x, y in eval_parts(data)]
-        return sum(c for c, _ in figures), sum(loss for _, loss in figures)
-
     personal = models.pop("")
-    correct, loss = score(personal, test)
-    extra = {name: score(states, test) for name, states in models.items()}
+    correct, loss = _score(trainer, personal, test)
+    extra = {name: _score(trainer, states, test) for name, states in models.items()}
     validation = None
     if val is not None:
         count = sample_count(val)
-        val_correct, val_loss = score(personal, val) if count else (0, 0.0)
+        val_correct, val_loss = _score(trainer, personal, val) if count else (0, 0.0)
         validation = (val_correct, count, val_loss)
     return Figures(correct, sample_count(test), loss, extra, validation)
+
+
+def _score(trainer, states, data: TestData) -> tuple[int, float]:
+    """Correct predictions and summed loss of the predictive of ``states`` on ``data``."""
+    figures = [trainer.evaluate_predictive(states, x, y) for x, y in eval_parts(data)]
+    return sum(c for c, _ in figures), sum(loss for _, loss in figures)
+
+
+def evaluate_new_client(cfg: Config, client, trainer, rnd: int, cid: int, state,
+                        msg: Message | None, train: ClientData, test: TestData) -> Figures:
+    """Held-out client ``cid`` (``eval.new_clients``) in evaluated round ``rnd``: served
+    ``msg``, adapted from its initial ``state`` as its method would
+    (``Client.new_client_model``, ``eval.new_client_epochs``) and scored on its test
+    split. Seeded from (run seed, round, client) alone, the global RNG restored after it:
+    nothing it does is kept, nor changes what the trained clients draw."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(cfg.seed, "torch", "new-client", rnd, cid))
+        gen = generator(cfg.seed, "new-client", rnd, cid)
+        models = client.new_client_model(cid, state, msg, train, cfg.eval.new_client_epochs,
+                                         gen)
+    trainer.forget()
+    correct, loss = _score(trainer, models, test)
+    return Figures(correct, sample_count(test), loss)

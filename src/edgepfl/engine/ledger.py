@@ -316,6 +316,18 @@ def named_summary(metrics: list[dict]) -> dict:
     return out
 
 
+def new_client_summary(metrics: list[dict], held_out: tuple[int, ...], refused: str) -> dict:
+    """The held-out clients (``eval.new_clients``) and, beside ``named_summary``'s
+    ``acc_new_mean_best`` / ``_final``, the worst one's final accuracy; ``refused``: why
+    the method cannot serve a new client (its figures are then absent)."""
+    if not held_out:
+        return {}
+    rows = [r for r in metrics if not math.isnan(r.get("acc_new_mean", math.nan))]
+    return {"new_clients": list(held_out),
+            "acc_new_min_final": rows[-1]["acc_new_min"] if rows else None,
+            "new_clients_refused": refused or None}
+
+
 def protocol_summary(ledger: Ledger, statistic: str, clients: str,
                      validation: bool = False) -> dict:
     """The papers' protocols beside ours: each client's own best round averaged, and the

@@ -39,6 +39,7 @@ from edgepfl.engine.ledger import (
     mean_over,
     named_rows,
     named_summary,
+    new_client_summary,
     protocol_summary,
     stop_summary,
     traffic_summary,
@@ -50,6 +51,7 @@ from edgepfl.engine.schedule import async_debt, async_edge_rounds, early_stop, r
 from edgepfl.engine.transport import (
     ClientReply,
     Delivery,
+    Figures,
     NothingTrained,
     TooFewReplies,
     Transport,
@@ -93,7 +95,16 @@ class Rounds:
         self.counting = self.flops.enabled and transport.counts_flops
         self.asynchronous = self.cfg.topology.mode == "async"
         self.privacy = round_privacy(parts, getattr(transport, "train_sizes", None))
-        check_runtime(self.cfg, system, self.flops.enabled, transport.counts_flops)
+        check_runtime(self.cfg, system, self.flops.enabled, transport.counts_flops,
+                      transport.serves_new_clients)
+        # eval.new_clients: the clients held out of training, and why the method cannot
+        # serve them if it cannot (said once, here; their figures are then NaN)
+        self.held_out = fed.held_out
+        self.no_new_clients = parts.algorithm.no_new_clients if fed.held_out else ""
+        if self.no_new_clients:
+            log.warning("eval.new_clients: %s cannot serve a new client (%s); the %d "
+                        "held-out clients are left out of training and acc_new_* is n/a",
+                        parts.algorithm.name, self.no_new_clients, len(fed.held_out))
 
     # -- how far the run goes ---------------------------------------------------------------
     @property
@@ -143,8 +154,10 @@ class Rounds:
         t0 = time.perf_counter()
         selected = self.federation.select(cfg.seed, rnd, cfg.train.participation)
         if not self.federation.hierarchical:
-            selected = _check_participants(self.server.participants(rnd, selected),
-                                           self.federation.num_clients, rnd)
+            chosen = self.server.participants(rnd, selected)
+            if self.held_out:  # a protocol that asks for every client gets the others
+                chosen = [c for c in chosen if c not in self.held_out]
+            selected = _check_participants(chosen, self.federation.num_clients, rnd)
         self._selected = selected
         self.round_asked = self.round_aggregated = self.round_nonfinite = 0
         if self.federation.hierarchical:
@@ -425,9 +438,13 @@ class Rounds:
         return Message({**msg.tensors, **edge.tensors}, {**msg.meta, **edge.meta})
 
     def evaluate(self, rnd: int) -> dict:
-        """Every client's personalized model on its own test split."""
+        """Every client's personalized model on its own test split; the held-out clients
+        (``eval.new_clients``) apart, in ``acc_new_*`` (``evaluate_new``)."""
         n = self.federation.num_clients
-        figures = self.transport.evaluate(rnd, {cid: self.eval_message(cid) for cid in range(n)})
+        trained = self.federation.trained
+        figures = self.transport.evaluate(rnd, {cid: self.eval_message(cid) for cid in trained})
+        if self.held_out:  # not evaluated: out of every acc_* figure, as without test samples
+            figures = {cid: figures.get(cid, Figures(0, 0, math.nan)) for cid in range(n)}
         counts = np.array([f.count for f in figures.values()])
         accs = [f.correct / f.count if f.count else math.nan for f in figures.values()]
         losses = [f.loss / f.count if f.count else math.nan for f in figures.values()]
@@ -449,7 +466,34 @@ class Rounds:
             row.update(val_row)
         self.ledger.record_accuracy(accs, self._selected, val_accs)
         row.update(named_rows(list(figures.values()), counts))
+        if self.held_out:
+            row.update(self.evaluate_new(rnd))
         return row
+
+    def evaluate_new(self, rnd: int) -> dict:
+        """The held-out clients, each served what the server gives a stranger
+        (``Server.new_client_message``, with its edge's evaluation message in a hierarchy)
+        and adapted as its method would: ``acc_new_mean``, ``_weighted``, ``_std``,
+        ``_min`` and ``loss_new``; NaN where the method cannot serve one."""
+        if self.no_new_clients:
+            return {"acc_new_mean": math.nan, "acc_new_min": math.nan}
+        figures = self.transport.evaluate_new(
+            rnd, {cid: self._new_client_message(cid) for cid in self.held_out})
+        got = [figures[cid] for cid in self.held_out]
+        row = accuracy_row([f.correct / f.count if f.count else math.nan for f in got],
+                           [f.loss / f.count if f.count else math.nan for f in got],
+                           np.array([f.count for f in got]))
+        return {f"acc_new_{k[4:]}" if k.startswith("acc_") else f"{k}_new": v
+                for k, v in row.items()}
+
+    def _new_client_message(self, cid: int) -> Message | None:
+        """``eval_message``'s merge, with what the server gives a stranger."""
+        msg = self.server.new_client_message(cid)
+        parent = self.federation.parent[cid]
+        edge = self.edges[parent].eval_message(cid) if parent != CLOUD else None
+        if edge is None or msg is None:
+            return msg if edge is None else edge
+        return Message({**msg.tensors, **edge.tensors}, {**msg.meta, **edge.meta})
 
     # -- the run's figures ----------------------------------------------------------------
     def summary(self, **extra: Any) -> dict:
@@ -461,6 +505,7 @@ class Rounds:
             **accuracy_summary(self.metrics, self.client_acc),
             **stop_summary(cfg.train.rounds, self.stopped),
             **named_summary(self.metrics),
+            **new_client_summary(self.metrics, self.held_out, self.no_new_clients),
             **validation_summary(self.metrics),
             **protocol_summary(ledger, cfg.eval.statistic, cfg.eval.clients,
                                validation=bool(cfg.eval.validation)),

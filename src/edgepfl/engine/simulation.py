@@ -29,6 +29,7 @@ from edgepfl.engine.client_step import (
     client_step,
     client_views,
     evaluate_client,
+    evaluate_new_client,
 )
 from edgepfl.engine.ledger import METRIC_COLUMNS, accuracy_row, accuracy_summary, metric_columns
 from edgepfl.engine.parts import Parts, image_crops, load_federation, resolve
@@ -78,6 +79,7 @@ class InProcess(Transport):
     state a row of one stacked store, each message delivered as a private copy."""
 
     counts_flops = True
+    serves_new_clients = True
 
     def __init__(self, parts: Parts, train_data: list[ClientData],
                  test_data: list[TestData], flops: FlopMeter,
@@ -94,6 +96,8 @@ class InProcess(Transport):
         self.val_data = val_data or [None] * len(train_data)
         self.flops = flops
         self.store = StackedStore(fed.num_clients, parts.stacks)
+        # what a held-out client starts from (eval.new_clients): its architecture's model
+        self.init_models = {name: a.init_model for name, a in parts.architectures.items()}
         self._work_shapes: dict[int, tuple] = {}
         train = parts.cfg.train
         self.batch_clients = train.batch_clients
@@ -239,6 +243,22 @@ class InProcess(Transport):
                 for cid, state, msg in tasks))
         return {cid: out[cid] for cid in messages}
 
+    def evaluate_new(self, rnd: int, messages: dict[int, Message | None]) -> dict[int, Figures]:
+        """Each held-out client served in this process from a fresh initial state (its
+        row of the store, never written, is not read)."""
+        out = {}
+        for cid, msg in messages.items():
+            test = self.test_data[cid]
+            if sample_count(test) == 0:
+                out[cid] = Figures(0, 0, math.nan)
+                continue
+            arch = self.arch[cid]
+            part, trainer = self.parts[arch], self.trainers[arch]
+            state = part.init_state(cid, self.init_models[arch])
+            out[cid] = evaluate_new_client(self.cfg, part, trainer, rnd, cid, state,
+                                           msg and msg.delivered(), self.train_data[cid], test)
+        return out
+
     def _evaluate_task(self, task: tuple) -> tuple[int, Figures]:
         cid, state, eval_msg = task
         arch = self.arch[cid]
@@ -339,7 +359,7 @@ class Simulation:
     # -- whole run ---------------------------------------------------------------------
     def run(self, hooks: Sequence[Hook] = (), label: str | None = None) -> RunResult:
         """Every round left, into the run directory if there is one; ``hooks`` are called
-        after each round (``engine.rundir.Hook``). ``label`` names the run on its progress
+        after each round (``engine.hooks.Hook``). ``label`` names the run on its progress
         lines (a comparison's runs: which seed or grid point)."""
         if self.out_dir is None:
             return self._run(hooks, label)

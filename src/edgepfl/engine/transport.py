@@ -106,6 +106,8 @@ class Transport(ABC):
 
     #: whether ``train`` reports each client's FLOPs (the simulation counts them)
     counts_flops: bool = False
+    #: whether it serves held-out clients (``eval.new_clients``, ``evaluate_new``)
+    serves_new_clients: bool = False
 
     @abstractmethod
     def train(self, step: int, messages: dict[int, Message]
@@ -119,19 +121,30 @@ class Transport(ABC):
     def evaluate(self, rnd: int, messages: dict[int, Message | None]) -> dict[int, Figures]:
         """Each client's personalized model on its own test split."""
 
+    def evaluate_new(self, rnd: int, messages: dict[int, Message | None]) -> dict[int, Figures]:
+        """Each held-out client (``eval.new_clients``) served its message, adapted as its
+        method would (``Client.new_client_model``) and scored on its own test split."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve new clients")
+
     def close(self) -> None:
         """Release what the transport holds between rounds (worker processes)."""
         return None
 
 
-def check_runtime(cfg: Config, system: SystemModel | None, flops: bool, counts_flops: bool) -> None:
+def check_runtime(cfg: Config, system: SystemModel | None, flops: bool, counts_flops: bool,
+                  transport_serves_new: bool = False) -> None:
     """Refuse the settings a runtime cannot honour: ``flops``, FLOPs are counted;
-    ``counts_flops``, the transport's clients report theirs (the simulation's do)."""
+    ``counts_flops``, the transport's clients report theirs (the simulation's do);
+    ``transport_serves_new``, it serves held-out clients (``eval.new_clients``)."""
     if cfg.topology.mode == "async" and (system is None or not (flops and counts_flops)):
         raise ConfigError("topology.mode = 'async' schedules each edge by its clients' "
                           "simulated time, which needs the simulation's system model with "
                           "system.count_flops = true (and is not available on Flower, "
                           "whose time is real)")
+    if cfg.eval.new_clients and not transport_serves_new:
+        raise ConfigError(f"eval.new_clients = {cfg.eval.new_clients} serves held-out clients "
+                          "at evaluation, which only the simulation does (a Flower "
+                          "SuperNode cannot be held out and served); set eval.new_clients = 0")
     t, every = cfg.train, cfg.eval.every
     if t.early_stopping and not can_stop_early(t.rounds, every, t.early_stopping):
         log.warning("train.early_stopping = %d needs %d evaluated rounds before the last "
