@@ -40,6 +40,7 @@ from edgepfl.algorithms.base import (
     State,
     Uniform,
     UpdateResult,
+    fine_tuned,
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.devices import host, to_device
@@ -147,6 +148,14 @@ class APFLClient(Client):
         w = {n: eval_msg.tensors[n] for n in self.trainer.state_names}
         v = {n: state[PERSONAL + n] for n in self.trainer.state_names}
         return mixed(float(state[ALPHA]), v, w)
+
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """A newcomer has no personal model v to mix: the global model w, fine-tuned."""
+        if msg is None:
+            raise MessageError("a new APFL client adapts the global model, but none was given")
+        w = {n: msg.tensors[n] for n in self.trainer.state_names}
+        return [fine_tuned(self, w, data, epochs, gen)]
 
 
 ALGORITHM = Algorithm(

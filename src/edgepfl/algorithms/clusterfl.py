@@ -298,4 +298,6 @@ ALGORITHM = Algorithm(
     privacy=PrivacySupport(
         sample=True, refused="client level: it clusters clients by the similarity of their "
         "individual weights"),
+    no_new_clients="its server places a client in a cluster by the models it uploaded, and a "
+                   "newcomer has uploaded none",
 )

@@ -754,4 +754,6 @@ ALGORITHM = Algorithm(
         refused="client level: its server measures discrepancies between individual client "
         "models; sample level: each client sends the received model's loss on its training data, "
         "un-noised"),
+    no_new_clients="its server aggregates each client's layers within that client's groups: "
+                   "a stranger belongs to none",
 )

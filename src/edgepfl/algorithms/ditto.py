@@ -83,6 +83,9 @@ class DittoServer(FedAvgServer):
     def eval_message(self, cid: int) -> Message | None:
         return None  # a client predicts with its personal model alone
 
+    def new_client_message(self, cid: int) -> Message | None:
+        return FedAvgServer.eval_message(self, cid)  # a newcomer starts from the global w
+
 
 def copy_of(gen: torch.Generator) -> torch.Generator:
     """A generator that will draw what ``gen`` draws next."""
@@ -119,6 +122,23 @@ class DittoClient(PersonalModelClient):
         tr.forget()
         # train_loss is the global model's (FedAvg's figure); steps count both trainings
         return UpdateResult(reply, kept, {**stats, "steps": stats["steps"] + personal["steps"]})
+
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """A newcomer's personal model v: from the global model w, ``epochs`` on its own
+        objective h(v; w), pulled towards w by lambda (Algorithm 1's personal step)."""
+        tr = self.trainer
+        if msg is None or any(n not in msg.tensors for n in tr.state_names):
+            raise MessageError("a new Ditto client adapts the global model, but none was given")
+        w = {n: msg.tensors[n] for n in tr.state_names}
+        if epochs == 0:
+            return [w]
+        tr.load(w)
+        fit(self, data, gen, epochs=epochs, grad_hook=proximal_hook(
+            self.hp.lamda, tr.place([w[n] for n in tr.param_names])))
+        v = tr.export()
+        tr.forget()
+        return [v]
 
 
 ALGORITHM = Algorithm(

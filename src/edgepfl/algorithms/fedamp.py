@@ -170,4 +170,6 @@ ALGORITHM = Algorithm(
     privacy=PrivacySupport(
         sample=True, refused="client level: its server sends each client its own "
         "attention-weighted combination of the individual models"),
+    no_new_clients="its server keeps a personalized cloud model per client, built from that "
+                   "client's uploads: nothing for a stranger",
 )

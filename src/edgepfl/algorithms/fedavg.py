@@ -22,6 +22,7 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    fine_tuned,
     model_from_state,
     model_to_state,
 )
@@ -138,6 +139,15 @@ class FedAvgClient(Client):
         if eval_msg is None:
             raise MessageError("FedAvg clients predict with the global model, but none was given")
         return eval_msg.tensors
+
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """A newcomer holds no model of its own, whatever ``evaluate`` says of the trained
+        clients: the global model, fine-tuned for ``epochs`` (``finetune_epochs`` is the
+        trained clients' figure)."""
+        if msg is None:
+            raise MessageError("a new FedAvg client adapts the global model, but none was given")
+        return [fine_tuned(self, msg.tensors, data, epochs, gen)]
 
 
 ALGORITHM = Algorithm(

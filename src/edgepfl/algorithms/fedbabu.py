@@ -28,6 +28,7 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    fine_tuned,
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer, finetuned
@@ -101,6 +102,12 @@ class FedBABUClient(Client):
         # personalization: the whole network, body and head, fine-tuned on the client's data
         return {"": [finetuned(self, start, data, self.hp.finetune_epochs, cid,
                                "fedbabu-finetune")]}
+
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """A newcomer is personalized as every client is, the whole network fine-tuned,
+        for ``epochs`` (``eval.new_client_epochs`` in place of ``finetune_epochs``)."""
+        return [fine_tuned(self, self.personal_model(state, msg), data, epochs, gen)]
 
 
 def finetune_unaccounted(hp: FedBABUHyperparameters) -> str | None:

@@ -382,4 +382,6 @@ ALGORITHM = Algorithm(
     privacy=PrivacySupport(
         refused="client level: the server averages scores on public data, not model updates; "
         "sample level: its public and private training phases are not accounted"),
+    no_new_clients="each client keeps a model of its own, shaped by consensus rounds a "
+                   "newcomer never took part in: no model for a stranger",
 )

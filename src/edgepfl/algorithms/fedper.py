@@ -34,6 +34,7 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    fine_tuned,
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
@@ -115,6 +116,15 @@ class FedPerClient(Client):
         model = {n: eval_msg.tensors[n] for n in self.base}
         model.update({n: state[PERSONAL + n] for n in self.personal})
         return model
+
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """A newcomer (FedPer, FedRep): the global base under a personalization head from
+        the initial model, only the head trained for ``epochs`` (the base is what the
+        federation learnt for it; FedRep's new-client protocol)."""
+        head = [n for n in self.personal if n in self.trainer.params]
+        return [fine_tuned(self, self.personal_model(state, msg), data, epochs, gen,
+                           head or None)]
 
 
 ALGORITHM = Algorithm(

@@ -217,4 +217,6 @@ ALGORITHM = Algorithm(
         refused="client level: the server averages class prototypes, not model updates; sample "
         "level: prototypes computed from the training data are sent un-noised, and its prototype "
         "loss has no per-sample gradient"),
+    no_new_clients="it shares class prototypes, not a model: a stranger would train its "
+                   "own from scratch",
 )

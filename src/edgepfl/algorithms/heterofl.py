@@ -275,4 +275,6 @@ ALGORITHM = Algorithm(
     privacy=PrivacySupport(
         client="mean", refused="sample level: each width trains on a skeleton of its own, outside "
         "the engine's DP-SGD trainer, and static BatchNorm gives a sample no gradient of its own"),
+    no_new_clients="its clients train width slices on skeletons of their rate; serving a "
+                   "newcomer's slice is not implemented",
 )

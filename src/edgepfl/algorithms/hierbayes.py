@@ -585,6 +585,25 @@ class HierBayesClient(Client):
             out["psi"] = [psi]
         return out
 
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """Algorithm 3's new client: theta fitted at test time (Eq. 33) from its edge's
+        posterior (personalize = edge_posterior) or else the cloud's, which a newcomer
+        without a posterior of its own takes for personalize = edge too; personal_epochs,
+        then the MC draws (``eval.new_client_epochs`` does not apply)."""
+        if msg is None:
+            raise MessageError("a new hierbayes client is fitted from a prior, but none was given")
+        rnd = msg.meta.get("round", 0)
+        mean_key, prior_key = ((EDGE_MEAN, EDGE_PRIOR) if self.hp.personalize == "edge_posterior"
+                               else (PSI, PRIOR))
+        anchor = _split(msg, mean_key)
+        if set(anchor) != set(self.names):
+            raise MessageError(f"hierbayes new-client message lacks {mean_key!r} entries")
+        prior = self._entries(msg, prior_key, anchor)
+        mean, _ = self._pulled_fit(data, generator(self.ctx.seed, "new-client", rnd, cid),
+                                   anchor, anchor, prior, self.hp.personal_epochs)
+        return self._draws(mean, None, self.hp.client_std, generator(self.ctx.seed, "mc", rnd))
+
     def _draws(self, mean: State, var: State | None, std: float,
                gen: torch.Generator) -> list[State]:
         if var is None and std == 0:

@@ -776,6 +776,8 @@ HMPL = Algorithm(
     privacy=PrivacySupport(
         refused="client level: models of three tiers grown during training, each averaged over "
         "its own holders; sample level: its stages train on skeletons of their own"),
+    no_new_clients="a client's model is staged by its timed first round (Com / Ord / Sup), "
+                   "which a newcomer never had",
 )
 
 HMPL_S = Algorithm(
@@ -788,6 +790,7 @@ HMPL_S = Algorithm(
     default_model="hmpl_ord",
     privacy=PrivacySupport(
         refused="client level and sample level: not reviewed (HMPL's SPP models)"),
+    no_new_clients="not reviewed (HMPL's staged clients)",
 )
 
 ALGORITHMS = (HMPL, HMPL_S)

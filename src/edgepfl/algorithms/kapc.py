@@ -35,6 +35,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -780,20 +781,18 @@ KAPC = Algorithm(
     privacy=PrivacySupport(
         sample=True, refused="client level: its server builds the relation cube from each "
         "client's own model, which a noised sum cannot replace"),
+    no_new_clients="its server coaches each client towards a mix of the others' uploads "
+                   "weighted by that client's relations, which a newcomer has none of",
 )
 
-KAPC_BLS = Algorithm(
-    name="kapc_bls",
+KAPC_BLS = replace(  # KAPC's paper, privacy and new clients
+    KAPC, name="kapc_bls",
     summary="KAPC with bidirectional layer selection: regularizer layers with self-relation "
             ">= mu are not sent; clients upload the first Omega layers chosen by a "
             "generalization bound",
     hyperparameters=KAPCBLSHyperparameters,
     server=KAPCBLSServer,
     client=KAPCBLSClient,
-    paper=PAPER,
-    privacy=PrivacySupport(
-        sample=True, refused="client level: its server builds the relation cube from each "
-        "client's own model, which a noised sum cannot replace"),
 )
 
 ALGORITHM = KAPC

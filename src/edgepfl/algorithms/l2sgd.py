@@ -194,4 +194,6 @@ ALGORITHM = Algorithm(
     privacy=PrivacySupport(
         refused="client level: its averaging steps come at random, not once per sampled round; "
         "sample level: its steps come from a batch sampler of its own"),
+    no_new_clients="each client predicts with its own x_i, and serving a newcomer from the "
+                   "mean x_bar is not implemented",
 )

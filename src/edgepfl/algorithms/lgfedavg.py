@@ -38,6 +38,7 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    fine_tuned,
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
@@ -122,6 +123,15 @@ class LGFedAvgClient(Client):
         own = set(self.local)
         return {n: state[LOCAL + n] if n in own else eval_msg.tensors[n]
                 for n in self.trainer.state_names}
+
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """A newcomer: a local representation from the initial model trained for
+        ``epochs`` under the global layers, which stay as received (the paper's new
+        devices learn their own local model against the global one)."""
+        local = [n for n in self.local if n in self.trainer.params]
+        return [fine_tuned(self, self.personal_model(state, msg), data, epochs, gen,
+                           local or None)]
 
 
 ALGORITHM = Algorithm(

@@ -94,4 +94,5 @@ ALGORITHM = Algorithm(
     privacy=PrivacySupport(
         sample=True, refused="client level: nothing leaves a client, so there is no aggregate to "
         "noise (use privacy.level = sample to protect each client's samples in its own model)"),
+    no_new_clients="its clients never share a model: there is nothing to give a stranger",
 )

@@ -35,6 +35,7 @@ from edgepfl.algorithms.base import (
     ServerContext,
     State,
     UpdateResult,
+    fine_tuned,
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.features import classifier_module, tap_features
@@ -193,6 +194,14 @@ class MOONClient(Client):
         if eval_msg is None:
             raise MessageError("MOON clients predict with the global model, but none was given")
         return eval_msg.tensors
+
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """A newcomer has no previous local model: the global one, fine-tuned (the
+        contrastive term needs a previous model, so plain SGD)."""
+        if msg is None:
+            raise MessageError("a new MOON client adapts the global model, but none was given")
+        return [fine_tuned(self, msg.tensors, data, epochs, gen)]
 
 
 ALGORITHM = Algorithm(

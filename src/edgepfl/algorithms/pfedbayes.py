@@ -409,6 +409,19 @@ class PFedBayesClient(Client):
             out["global"] = self._draws(mu, rho, generator(self.ctx.seed, "mc-global", rnd))
         return out
 
+    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
+                         epochs: int, gen: torch.Generator) -> list[State]:
+        """A newcomer has no personal posterior kept: q_i fitted from the global
+        distribution at test time (personalize = fit, whatever the trained clients do),
+        personal_epochs, then its MC draws (``eval.new_client_epochs`` does not apply)."""
+        if msg is None:
+            raise MessageError("a new pfedbayes client is fitted from the global distribution, "
+                               "but none was given")
+        rnd = msg.meta.get("round", 0)
+        mu, rho = self._distribution(msg.tensors, "new-client message")
+        mu_i, rho_i = self._test_time_fit(cid, rnd, mu, rho, data)
+        return self._draws(mu_i, rho_i, generator(self.ctx.seed, "mc", rnd))
+
     def _draws(self, mu: torch.Tensor, rho: torch.Tensor, gen: torch.Generator) -> list[State]:
         like = {n: self.trainer.params[n] for n in self.names}
         sigma = softplus(rho)

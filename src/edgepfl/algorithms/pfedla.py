@@ -223,4 +223,6 @@ ALGORITHM = Algorithm(
     privacy=PrivacySupport(
         sample=True, refused="client level: per-client hypernetworks weight each client's "
         "individual layers"),
+    no_new_clients="its hypernetwork aggregates per client, from an embedding learned in the "
+                   "client's rounds: a stranger has none",
 )
