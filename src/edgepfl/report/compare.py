@@ -39,6 +39,10 @@ STAT_COLUMNS = ["reference", "n_seeds"] + [
     for c in [*stats.column_names(fig), f"{fig}_diff", *stats.column_names(f"{fig}_diff")]
     if c != f"{fig}_diff_sd"]
 COMPARISON_COLUMNS = RUN_COLUMNS + STAT_COLUMNS
+# with eval.new_clients only (a comparison without keeps the columns it always had): the
+# held-out clients' mean accuracy, empty for a method that cannot serve a new client
+NEW_CLIENT_COLUMNS = ["acc_new_mean_best", "acc_new_mean_final", "acc_new_min_final"]
+CANNOT_SERVE = "n/a — cannot serve a new client"
 
 
 def default_reference(algorithms: list[str]) -> str:
@@ -177,9 +181,12 @@ def _compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
     def finished(run: PlannedRun, result: Finished) -> None:
         name, seed = of[run.name]
         s = result.summary
+        new = ("" if "new_clients" not in s else
+               f"new clients {_pct(s.get('acc_new_mean_final'))}, "
+               if s.get("new_clients_refused") is None else "new clients n/a, ")
         echo(f"{name:>10} seed {seed}: best {_pct(s.get('acc_mean_best'))} (round "
              f"{s.get('best_round')}), final {_pct(s.get('acc_mean_final'))} ± "
-             f"{_pct(s.get('acc_std_final'))} across clients, "
+             f"{_pct(s.get('acc_std_final'))} across clients, {new}"
              f"up {s['bytes_up_total'] / 1e6:.2f} MB, down {s['bytes_down_total'] / 1e6:.2f} MB")
 
     results = run_all(plan, out, jobs=jobs, threads=threads, progress=progress,
@@ -187,6 +194,8 @@ def _compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
     rows = with_statistics([_row(run, *of[run.name], results[run.name].summary)
                             for run in plan], algorithms, reference)
     columns = COMPARISON_COLUMNS
+    if base.eval.new_clients:
+        columns = [*columns, *NEW_CLIENT_COLUMNS]
     if tuned is not None:
         # only then: a table without tuning keeps the columns it always had
         columns = [*columns, "tuned"]
@@ -205,7 +214,8 @@ def _compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
 
 
 def _row(run: PlannedRun, name: str, seed: int, summary: dict) -> dict:
-    return {**{k: summary.get(k) for k in RUN_COLUMNS}, "algorithm": name, "seed": seed,
+    return {**{k: summary.get(k) for k in RUN_COLUMNS + NEW_CLIENT_COLUMNS},
+            "algorithm": name, "seed": seed,
             "model": run.config.model.name, "run_dir": run.name}
 
 
@@ -285,7 +295,12 @@ def _header(base: Config, seeds: list[int], star: list[str] | tuple[str, ...]) -
         "*Each client's best* averages every client's own best round (KAPC Sec. 7.1's protocol "
         "for Local and FedAvg); with participation below 1, *selected* takes each round's mean "
         "over the clients selected in it (KAPC's client-selection scenario). The paper's "
-        "protocols can only flatter; the first columns are ours.",
+        "protocols can only flatter; the first columns are ours."
+        + (f" *New clients*: the {base.eval.new_clients:g} share of the clients held out of "
+           "training (eval.new_clients, the same clients for every algorithm at a seed), each "
+           "served as its method would serve a newcomer (e.g. the global model fine-tuned "
+           f"for eval.new_client_epochs = {base.eval.new_client_epochs}) and scored on its "
+           "test split; they are in no other column." if base.eval.new_clients else ""),
         "",
     ]
 
@@ -294,14 +309,16 @@ def _accuracy_table(rows: list[dict], algorithms: list[str], base: Config,
                     tuned: dict[str, str] | None) -> list[str]:
     partial = base.train.participation < 1
     validation = bool(base.eval.validation)
+    new = bool(base.eval.new_clients)
     lines = [
         "| algorithm | model | "
         + ("mean acc at validation's best round | its 95% CI | " if validation else "")
         + "best mean acc | best 95% CI | final mean acc | final 95% CI | "
-        "final std across clients | final worst client | each client's best | "
+        + ("new clients' best mean acc | new clients' final mean acc | " if new else "")
+        + "final std across clients | final worst client | each client's best | "
         + ("best over selected | " if partial else "") + "MB up | MB down |",
         "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if validation else "")
-        + ("---|" if partial else "") + "---|---|",
+        + ("---|---|" if new else "") + ("---|" if partial else "") + "---|---|",
     ]
     for name in algorithms:
         sel = [r for r in rows if r["algorithm"] == name]
@@ -316,9 +333,12 @@ def _accuracy_table(rows: list[dict], algorithms: list[str], base: Config,
         label = f"{name} (tuned)" if tuned and name in tuned else name
         picked = (f"{cell('acc_mean_at_val_best')} | "
                   f"{stats.interval_text(est('acc_mean_at_val_best'))} | " if validation else "")
+        served = "" if not new else (
+            f"{CANNOT_SERVE} | {CANNOT_SERVE} | " if get_algorithm(name).no_new_clients
+            else f"{cell('acc_new_mean_best')} | {cell('acc_new_mean_final')} | ")
         lines.append(f"| {label} | {sel[0]['model']} | {picked}{cell('acc_mean_best')} | "
                      f"{stats.interval_text(est('acc_mean_best'))} | {cell('acc_mean_final')} | "
-                     f"{stats.interval_text(est('acc_mean_final'))} | "
+                     f"{stats.interval_text(est('acc_mean_final'))} | {served}"
                      f"{cell('acc_std_final')} | {cell('acc_min_final')} | "
                      f"{cell('acc_client_best_mean')} | {selected}"
                      f"{cell('bytes_up_total', 1e-6)} | {cell('bytes_down_total', 1e-6)} |")
