@@ -161,61 +161,24 @@ class Trainer(BatchedTraining, Evaluation):
         (the last one's loss counts; a batch is one step in the stats).
         """
         self._loaded = None
-        model = self.model
-        model.train()
+        self.model.train()
         names = self.param_names if trainable is None else list(trainable)
         params = [self.params[n] for n in names]
         frozen = [p for n, p in self.params.items() if n not in set(names)]
         for p in frozen:
             p.requires_grad_(False)
-        bufs: list[torch.Tensor] | None = None
         loss_sum = torch.zeros((), device=self.device)
         seen = 0
         steps = 0
-        # A fit's steps differ only in batch shape (and momentum's first step): the FLOP
-        # meter counts one step per shape and lets the rest run outside its counter. The
-        # forward and backward passes of a step without a loss hook depend on nothing else
-        # but which parameters get gradients, and the update without a gradient hook on
-        # nothing at all, so those counts are shared across clients; a hook may do work of
-        # its own, so the part with a hook keeps its counts to this fit.
-        graded = tuple(n for n, p in self.params.items() if p.requires_grad)
-        shared = self._step_flops
-        passes, passes_store = (("passes", graded), shared) if loss_hook is None else (object(), None)
-        update, update_store = (("update", graded), shared) if grad_hook is None else (object(), None)
-        compiled = self._passes(names) if loss_hook is None else None
+        step = self._stepper(names, params, batch_size, lr, momentum, weight_decay, grad_hook,
+                             loss_hook)
         advance = getattr(grad_hook, "advance", None)
         try:
             with counter_aside():  # drawing batches counts no FLOPs: no dispatch through it
                 for _ in range(epochs):
                     for xb, yb in data.batches(batch_size, gen):
                         for _ in range(repeat):
-                            grads = None
-                            with counted_once((passes, tuple(xb.shape)), passes_store):
-                                xb, yb = self.layout(xb), to_device(yb, self.device)
-                                # the FLOP counter (a dispatch mode) sees eager operators only
-                                # the full batches only: a short last batch runs eagerly
-                                # rather than compiling a graph per size (or one of dynamic
-                                # shape, whose kernels are the slower)
-                                if (compiled is not None and xb.shape[0] == batch_size
-                                        and _get_current_dispatch_mode() is None):
-                                    grads, loss = compiled(
-                                        {n: p.detach() for n, p in zip(names, params, strict=True)},
-                                        xb, yb)
-                                else:
-                                    logits = model(xb)
-                                    loss = F.cross_entropy(logits, yb)
-                                    total = (loss if loss_hook is None
-                                             else loss + loss_hook(model, logits, xb, yb))
-                                    for p in params:
-                                        p.grad = None
-                                    total.backward()
-                            with counted_once((update, bufs is None), update_store):
-                                if grads is None:
-                                    bufs = sgd_step(params, lr, momentum, weight_decay, bufs,
-                                                    grad_hook)
-                                else:
-                                    bufs = sgd_update(params, [grads[n] for n in names], lr,
-                                                      momentum, weight_decay, bufs, grad_hook)
+                            xb, yb, loss = step(xb, yb)
                         loss_sum += loss.detach() * yb.numel()
                         if advance is not None:
                             advance(params)
@@ -227,6 +190,70 @@ class Trainer(BatchedTraining, Evaluation):
             for p in params:
                 p.grad = None
         return fit_stats(float(loss_sum), seen, steps)
+
+    def _stepper(self, names: list[str], params: list[torch.Tensor], batch_size: int,
+                 lr: float, momentum: float, weight_decay: float, grad_hook: GradHook | None,
+                 loss_hook: LossHook | None
+                 ) -> Callable[[torch.Tensor, torch.Tensor],
+                               tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``fit``'s SGD step, ``step(x, y) -> (x, y, loss)`` with the batch as laid out on
+        the device: a closure, so that the momentum buffers and the FLOP meter's keys last
+        from one step of a fit to the next. The parameters outside ``names`` must be frozen
+        already: the keys name those that get gradients."""
+        # A fit's steps differ only in batch shape (and momentum's first step): the FLOP
+        # meter counts one step per shape and lets the rest run outside its counter. The
+        # forward and backward passes of a step without a loss hook depend on nothing else
+        # but which parameters get gradients, and the update without a gradient hook on
+        # nothing at all, so those counts are shared across clients; a hook may do work of
+        # its own, so the part with a hook keeps its counts to this fit.
+        graded = tuple(n for n, p in self.params.items() if p.requires_grad)
+        shared = self._step_flops
+        passes, passes_store = (("passes", graded), shared) if loss_hook is None else (object(), None)
+        update, update_store = (("update", graded), shared) if grad_hook is None else (object(), None)
+        compiled = self._passes(names) if loss_hook is None else None
+        bufs: list[torch.Tensor] | None = None
+
+        def step(xb: torch.Tensor, yb: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            nonlocal bufs
+            with counted_once((passes, tuple(xb.shape)), passes_store):
+                xb, yb, grads, loss = self._backward(xb, yb, names, params, compiled,
+                                                     batch_size, loss_hook)
+            with counted_once((update, bufs is None), update_store):
+                if grads is None:
+                    bufs = sgd_step(params, lr, momentum, weight_decay, bufs, grad_hook)
+                else:
+                    bufs = sgd_update(params, [grads[n] for n in names], lr, momentum,
+                                      weight_decay, bufs, grad_hook)
+            return xb, yb, loss
+
+        return step
+
+    def _backward(self, xb: torch.Tensor, yb: torch.Tensor, names: list[str],
+                  params: list[torch.Tensor], compiled: PassesFn | None, batch_size: int,
+                  loss_hook: LossHook | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None,
+                             torch.Tensor]:
+        """A step's forward and backward passes: ``(x, y, grads, loss)``, the batch as laid
+        out on the device. ``grads`` is None where the eager backward left them in the
+        parameters' ``.grad`` (for ``sgd_step``); a compiled graph returns them instead."""
+        xb, yb = self.layout(xb), to_device(yb, self.device)
+        # the FLOP counter (a dispatch mode) sees eager operators only
+        # the full batches only: a short last batch runs eagerly rather than compiling a
+        # graph per size (or one of dynamic shape, whose kernels are the slower)
+        if (compiled is not None and xb.shape[0] == batch_size
+                and _get_current_dispatch_mode() is None):
+            grads, loss = compiled({n: p.detach() for n, p in zip(names, params, strict=True)},
+                                   xb, yb)
+            return xb, yb, grads, loss
+        model = self.model
+        logits = model(xb)
+        loss = F.cross_entropy(logits, yb)
+        total = loss if loss_hook is None else loss + loss_hook(model, logits, xb, yb)
+        for p in params:
+            p.grad = None
+        total.backward()
+        return xb, yb, None, loss
 
     def fit_steps(self, request: FitRequest) -> dict[str, float]:
         """``request``'s own steps (``FitRequest.step``) on the loaded weights: for each
