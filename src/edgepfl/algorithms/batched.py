@@ -91,6 +91,16 @@ class _Stack:
                 advance([t[j] for t in p])
 
 
+def _groups(drawn: dict[int, tuple], own: object) -> list[list[int]]:
+    """The clients of ``drawn`` by the shape of their next batch (of each of their batches,
+    for a step of their own ``own``): a group is one vmapped step, whose batches stack."""
+    groups: dict[tuple, list[int]] = {}
+    for i, b in drawn.items():
+        groups.setdefault(tuple(t.shape for t in b[0]) if own else tuple(b[0].shape),
+                          []).append(i)
+    return list(groups.values())
+
+
 class BatchedTraining:
     """``Trainer``'s fits of several clients at once, on the skeleton ``Trainer`` holds."""
 
@@ -140,6 +150,31 @@ class BatchedTraining:
         # client's row in place in its forward pass
         held = {n: torch.stack([r.weights[n] for r in requests]).to(self.device)
                 for n in self.buffers}
+        own = requests[0].step
+        step, draw, inputs = self._vmapped(requests)
+        batches = [draw(r) for r in requests]
+        loss_sum = torch.zeros(k, device=self.device)
+        seen, steps = [0] * k, [0] * k
+        active = list(range(k))
+        while active:
+            drawn = {i: b for i in active if (b := next(batches[i], None)) is not None}
+            active = list(drawn)
+            for members in _groups(drawn, own):
+                count = self._group_step(stack, held, members, [drawn[i] for i in members],
+                                         step, inputs, loss_sum)
+                for i in members:
+                    seen[i] += count
+                    steps[i] += 1
+        if stack.pull is not None:
+            stack.pull.unstack(stack.hooks)
+        return [({**{n: host(stack.weights[n][i]) for n in names},
+                  **{n: host(t[i]) for n, t in held.items()}},
+                 fit_stats(float(loss_sum[i]), seen[i], steps[i])) for i in range(k)]
+
+    def _vmapped(self, requests: Sequence[FitRequest]) -> tuple[Callable, Callable, Callable]:
+        """``fit_many``'s ``(step, draw, inputs)``: the vmapped step, ``fit``'s gradient of
+        the cross-entropy or the requests' own, with the batch source that feeds it
+        (``_batch_source``, ``_step_source``)."""
         model = self.model
         model.train()
 
@@ -156,41 +191,29 @@ class BatchedTraining:
 
             step = vmap(one)
             draw, inputs = self._step_source()
-        batches = [draw(r) for r in requests]
-        loss_sum = torch.zeros(k, device=self.device)
-        seen, steps = [0] * k, [0] * k
-        active = list(range(k))
-        while active:
-            drawn = {i: b for i in active if (b := next(batches[i], None)) is not None}
-            active = list(drawn)
-            groups: dict[tuple, list[int]] = {}
-            for i, b in drawn.items():
-                groups.setdefault(tuple(t.shape for t in b[0]) if own else tuple(b[0].shape),
-                                  []).append(i)
-            for members in groups.values():
-                whole = len(members) == k
-                # the whole stack needs no index (nor its copy to the device every step)
-                rows = slice(None) if whole else to_device(torch.tensor(members), self.device)
-                params = stack.weights if whole else stack.take(rows)
-                buffers = held if whole else {n: t[rows] for n, t in held.items()}
-                args, count = inputs([drawn[i] for i in members])
-                for _ in range(stack.repeat):
-                    grads, losses = step(params, buffers, *args)
-                    stack.update(members, rows, params, grads)
-                stack.advance(members, rows, params)
-                if not whole:
-                    for n, t in buffers.items():
-                        held[n][rows] = t
-                with torch.no_grad():
-                    loss_sum[rows] += losses * count
-                for i in members:
-                    seen[i] += count
-                    steps[i] += 1
-        if stack.pull is not None:
-            stack.pull.unstack(stack.hooks)
-        return [({**{n: host(stack.weights[n][i]) for n in names},
-                  **{n: host(t[i]) for n, t in held.items()}},
-                 fit_stats(float(loss_sum[i]), seen[i], steps[i])) for i in range(k)]
+        return step, draw, inputs
+
+    def _group_step(self, stack: _Stack, held: State, members: list[int], drawn: list[tuple],
+                    step: Callable, inputs: Callable, loss_sum: torch.Tensor) -> int:
+        """One vmapped step (``repeat`` of them) of the clients ``members`` on their batches
+        ``drawn``: the stack and the stacked buffers ``held`` hold where they end, their
+        losses are added to ``loss_sum``; returns the number of examples per client."""
+        whole = len(members) == len(stack.hooks)
+        # the whole stack needs no index (nor its copy to the device every step)
+        rows = slice(None) if whole else to_device(torch.tensor(members), self.device)
+        params = stack.weights if whole else stack.take(rows)
+        buffers = held if whole else {n: t[rows] for n, t in held.items()}
+        args, count = inputs(drawn)
+        for _ in range(stack.repeat):
+            grads, losses = step(params, buffers, *args)
+            stack.update(members, rows, params, grads)
+        stack.advance(members, rows, params)
+        if not whole:
+            for n, t in buffers.items():
+                held[n][rows] = t
+        with torch.no_grad():
+            loss_sum[rows] += losses * count
+        return count
 
     def _batch_source(self, requests: Sequence[FitRequest]):
         """How ``fit_many`` draws batches: ``draw(request)`` iterates a client's batches
