@@ -31,8 +31,10 @@ import torch
 from edgepfl import __version__
 from edgepfl.algorithms import ALGORITHMS
 from edgepfl.config import Config, build_config
+from edgepfl.engine.hooks import Hook
 from edgepfl.engine.ledger import METRIC_COLUMNS, Ledger, metric_columns
 from edgepfl.engine.progress import RoundProgress
+from edgepfl.engine.trackers import tracker_hooks
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.io import read_tensors, write_csv, write_json, write_tensors
 from edgepfl.plugins import load_plugins
@@ -139,27 +141,6 @@ def claim_new_run(out: Path, config: dict) -> None:
 
 
 # -- side work after each round -----------------------------------------------------------
-class Hook:
-    """Side work of a run, called by ``drive``: ``after_round`` with the round's metrics
-    row once the round is complete, ``after_run`` once the last round is done (not when
-    the run fails), ``close`` always, last. ``run_rounds`` adds ``after_summary``."""
-
-    def after_round(self, rounds: Rounds, row: dict) -> None:
-        return None
-
-    def after_run(self, rounds: Rounds) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-    def after_summary(self, summary: dict, out: Path | None) -> None:
-        """Called by ``run_rounds`` after ``close``, once the run is done and its finished
-        files are written (summary.json, the plots; ``out``: the run directory, if any),
-        with the summary; not when the run or writing those files fails."""
-        return None
-
-
 class MetricsFile(Hook):
     """metrics.csv rewritten whole after each round (so that a run cut off mid-write
     leaves the previous one), and failures.csv once a client has failed."""
@@ -280,8 +261,6 @@ def run_rounds(rounds: Rounds, out: Path | None, *, label: str, progress: bool |
 def _run_rounds(rounds: Rounds, out: Path | None, label: str, progress: bool | None,
                 columns: list[str], clients: Callable[[], dict[str, torch.Tensor]] | None,
                 extra: Callable[[], dict[str, Any]], hooks: Sequence[Hook]) -> dict:
-    from edgepfl.engine.trackers import tracker_hooks  # it builds on Hook: import it late
-
     own: list[Hook] = []
     if out is not None:
         own += [MetricsFile(out, columns), Checkpoints(out, rounds.cfg, clients)]

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from edgepfl.engine.rundir import Hook
+from edgepfl.engine.hooks import Hook
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from edgepfl.config import Config
-from edgepfl.engine.rundir import Hook
+from edgepfl.engine.hooks import Hook
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.io import read_json, write_json
 
