@@ -32,7 +32,6 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edgepfl.errors import ConfigError
+from edgepfl.registered import DataSource, _origin, origin
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,28 +51,12 @@ __all__ = ["PLUGIN_GROUP", "DataSource", "load_installed", "load_plugins", "orig
            "register_algorithm", "register_dataset", "register_model"]
 
 
-@dataclass(frozen=True)
-class DataSource:
-    """What a plug-in data set's loader is given: the data directory (``dataset.root``,
-    else ``$EDGEPFL_DATA``), ``dataset.path`` (None unless set) and the run seed."""
-
-    root: Path
-    path: str | None
-    seed: int
-
-
 DatasetLoader = Callable[[DataSource], Mapping[str, np.ndarray]]
 ModelFactory = Callable[[int, int, int], "nn.Module"]
 
 _loaded: dict[str, str] = {}  # resolved spec -> the module it was imported as
-_origin: dict[tuple[str, str], str] = {}  # (kind, name) -> the plug-in that registered it
 _loading: list[str] = []  # the plug-in being imported (registrations are credited to it)
 _installed_loaded = False
-
-
-def origin(kind: str, name: str) -> str | None:
-    """The plug-in that registered ``name`` (kind: algorithm, model, dataset), else None."""
-    return _origin.get((kind, name))
 
 
 def _claim(kind: str, name: str, registry: Mapping, obj: object, same: Callable[[], bool]) -> bool:

@@ -13,6 +13,7 @@ from edgepfl.models.bn import CNN2BN, CNNSmallBN
 from edgepfl.models.hmpl import CNN2SPP, HMPLCom, HMPLOrd, HMPLSup
 from edgepfl.models.hmpl_tiers import HMPLTiers
 from edgepfl.models.resnet import ResNet18, ResNet18BN
+from edgepfl.registered import origin
 
 
 class ConvPoolFC3(nn.Module):
@@ -185,8 +186,6 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
                               f"models for images that are not square: {', '.join(valid)} "
                               f"(or set dataset.resize)")
     factory = MODELS[name][0]
-    from edgepfl.plugins import origin
-
     plugin = origin("model", name)
     if plugin is not None:
         return _plugin_model(name, plugin, factory, input_shape, num_classes, size)
