@@ -33,7 +33,9 @@ from edgepfl.config import DatasetConfig
 # offline (and the loaders' ``download`` flag would shadow the plain name).
 from edgepfl.data.downloads import download as _download
 from edgepfl.data.downloads import extract_tarball, md5_matches
+from edgepfl.data.raw import Raw
 from edgepfl.errors import ConfigError, DataError, EdgepflError
+from edgepfl.registered import DataSource, origin
 
 DATA_ENV = "EDGEPFL_DATA"
 NO_DOWNLOAD_ENV = "EDGEPFL_NO_DOWNLOAD"
@@ -199,7 +201,6 @@ def load_dataset(
         return _finish(raw, share, int(seed))
     if key in PLUGIN_LOADERS:
         from edgepfl.data import own
-        from edgepfl.plugins import DataSource, origin
 
         where = f"data set {key!r} of plug-in {origin('dataset', key)!r}"
         try:
@@ -247,27 +248,7 @@ def dataset_of(cfg: DatasetConfig, seed: int) -> Dataset:
 # --------------------------------------------------------------------------- shared steps
 
 
-@dataclass
-class _Raw:
-    """Loader output before subsetting and normalisation (normalising last is cheaper)."""
-
-    name: str
-    x_train: np.ndarray  # uint8 or float, [n, C, H, W]
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-    classes: tuple[str, ...]
-    mean: tuple[float, ...]  # per channel, in the units of x after dividing by `scale`
-    std: tuple[float, ...]
-    scale: float  # 255 for 8-bit images
-    client_train: np.ndarray | None = None  # int64 [n], indices into `clients`
-    client_test: np.ndarray | None = None
-    clients: tuple[str, ...] = ()
-    size_train: np.ndarray | None = None  # int16 [n, 2]: each image's own (height, width)
-    size_test: np.ndarray | None = None
-
-
-def _finish(raw: _Raw, fraction: float, seed: int) -> Dataset:
+def _finish(raw: Raw, fraction: float, seed: int) -> Dataset:
     gen = torch.Generator().manual_seed(int(seed))
     train_idx = _subset(len(raw.y_train), fraction, gen)
     test_idx = _subset(len(raw.y_test), fraction, gen)
@@ -304,7 +285,7 @@ def _subset(n: int, fraction: float, gen: torch.Generator) -> np.ndarray | None:
     return np.sort(torch.randperm(n, generator=gen)[:keep].numpy())
 
 
-def _inputs(x: np.ndarray, idx: np.ndarray | None, raw: _Raw) -> torch.Tensor:
+def _inputs(x: np.ndarray, idx: np.ndarray | None, raw: Raw) -> torch.Tensor:
     """8-bit pixels as they are (normalised per batch), anything else normalised here."""
     picked = np.ascontiguousarray(x if idx is None else x[idx])
     if picked.dtype == np.uint8:
@@ -430,7 +411,7 @@ def _load_idx_set(
     classes: tuple[str, ...],
     mean: float,
     std: float,
-) -> _Raw:
+) -> Raw:
     directory = root / folder / "raw"
     found, missing, failures = _find_or_fetch(directory, files, base_url, download)
     if missing:
@@ -457,10 +438,10 @@ def _load_idx_set(
                 f"valid labels are 0..{len(classes) - 1}"
             )
         arrays[split] = (x[:, None], y)
-    return _Raw(name, *arrays["train"], *arrays["t10k"], classes, (mean,), (std,), scale=255.0)
+    return Raw(name, *arrays["train"], *arrays["t10k"], classes, (mean,), (std,), scale=255.0)
 
 
-def _load_mnist(root: Path, download: bool, seed: int) -> _Raw:
+def _load_mnist(root: Path, download: bool, seed: int) -> Raw:
     return _load_idx_set(
         "mnist", root, download, "MNIST", _MNIST_FILES,
         "https://ossci-datasets.s3.amazonaws.com/mnist/",
@@ -468,7 +449,7 @@ def _load_mnist(root: Path, download: bool, seed: int) -> _Raw:
     )  # fmt: skip
 
 
-def _load_fmnist(root: Path, download: bool, seed: int) -> _Raw:
+def _load_fmnist(root: Path, download: bool, seed: int) -> Raw:
     return _load_idx_set(
         "fmnist", root, download, "FashionMNIST", _FMNIST_FILES,
         "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
@@ -633,7 +614,7 @@ def _read_cifar_bin(path: Path, spec: _CifarSpec) -> tuple[np.ndarray, np.ndarra
     return rows[:, spec.label_bytes :].reshape(-1, 3, 32, 32), labels
 
 
-def _load_cifar(spec: _CifarSpec, root: Path, download: bool) -> _Raw:
+def _load_cifar(spec: _CifarSpec, root: Path, download: bool) -> Raw:
     bin_dir, py_dir = root / spec.bin_dir, root / spec.py_dir
     bin_files = [bin_dir / f for f in (*spec.bin_train, spec.bin_test)]
     py_files = [py_dir / f for f in (*spec.py_train, spec.py_test)]
@@ -678,23 +659,23 @@ def _load_cifar(spec: _CifarSpec, root: Path, download: bool) -> _Raw:
     x_train = np.concatenate([x for x, _ in train]) if len(train) > 1 else train[0][0]
     y_train = np.concatenate([y for _, y in train]) if len(train) > 1 else train[0][1]
     x_test, y_test = parts[-1]
-    return _Raw(
+    return Raw(
         spec.name, x_train, y_train, x_test, y_test, spec.classes, spec.mean, spec.std, 255.0
     )
 
 
-def _load_cifar10(root: Path, download: bool, seed: int) -> _Raw:
+def _load_cifar10(root: Path, download: bool, seed: int) -> Raw:
     return _load_cifar(_CIFAR10, root, download)
 
 
-def _load_cifar100(root: Path, download: bool, seed: int) -> _Raw:
+def _load_cifar100(root: Path, download: bool, seed: int) -> Raw:
     return _load_cifar(_CIFAR100, root, download)
 
 
 # --------------------------------------------------------------------------- built-in sets
 
 
-def _load_digits(root: Path, download: bool, seed: int) -> _Raw:
+def _load_digits(root: Path, download: bool, seed: int) -> Raw:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -704,7 +685,7 @@ def _load_digits(root: Path, download: bool, seed: int) -> _Raw:
     # The split seed is fixed so every run, whatever its seed, evaluates on the same 25%.
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, stratify=y, random_state=0)
     mean, std = float(x_tr.mean()), float(x_tr.std())
-    return _Raw(
+    return Raw(
         "digits", x_tr, y_tr, x_te, y_te, tuple(str(d) for d in range(10)), (mean,), (std,), 1.0
     )
 
@@ -712,7 +693,7 @@ def _load_digits(root: Path, download: bool, seed: int) -> _Raw:
 _SYN_CLASSES, _SYN_TRAIN, _SYN_TEST, _SYN_NOISE = 10, 2000, 500, 1.25
 
 
-def _load_synthetic(root: Path, download: bool, seed: int) -> _Raw:
+def _load_synthetic(root: Path, download: bool, seed: int) -> Raw:
     """Smooth random class patterns, randomly shifted and scaled, under Gaussian noise.
 
     The noise level (1.25 x the pattern's RMS) was chosen so a small CNN reaches roughly
@@ -740,10 +721,10 @@ def _load_synthetic(root: Path, download: bool, seed: int) -> _Raw:
     x_te, y_te = draw(_SYN_TEST // _SYN_CLASSES)
     mean, std = float(x_tr.mean()), float(x_tr.std())
     classes = tuple(f"pattern_{c}" for c in range(_SYN_CLASSES))
-    return _Raw("synthetic", x_tr, y_tr, x_te, y_te, classes, (mean,), (std,), 1.0)
+    return Raw("synthetic", x_tr, y_tr, x_te, y_te, classes, (mean,), (std,), 1.0)
 
 
-_LOADERS: dict[str, Callable[[Path, bool, int], _Raw]] = {
+_LOADERS: dict[str, Callable[[Path, bool, int], Raw]] = {
     "mnist": _load_mnist,
     "fmnist": _load_fmnist,
     "cifar10": _load_cifar10,

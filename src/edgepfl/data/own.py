@@ -1,7 +1,7 @@
 """Data sets of one's own, read from ``dataset.path``: ``npz`` arrays, an ``imagefolder`` of
 PNG/JPEG files, a Hugging Face ``hf`` folder written by ``save_to_disk``.
 
-All three end in the loaders' common form (``datasets._Raw``): inputs ``[n, C, H, W]`` and
+All three end in the loaders' common form (``data.raw.Raw``): inputs ``[n, C, H, W]`` and
 integer labels, with each sample's client where the data names one (natural splits).
 Choices, and why:
 
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepfl.data.datasets import _Raw
+from edgepfl.data.raw import Raw
 from edgepfl.errors import ConfigError, DataError
 
 log = logging.getLogger("edgepfl")
@@ -83,7 +83,7 @@ class _Split:
         return _Split(x, self.y[keep], client, self.where, files)
 
 
-def load(name: str, source: Source) -> _Raw:
+def load(name: str, source: Source) -> Raw:
     """Read data set ``name`` (npz, imagefolder or hf) from ``source.path``."""
     if source.path is None or str(source.path) == "":
         what = {"npz": "an .npz file", "imagefolder": "a folder of class folders",
@@ -123,7 +123,7 @@ def _example(name: str) -> str:
 
 
 def _assemble(name: str, path: Path, train: _Split, test: _Split | None,
-              class_names: tuple[str, ...] | None, test_fraction: float) -> _Raw:
+              class_names: tuple[str, ...] | None, test_fraction: float) -> Raw:
     if len(train.y) == 0:
         raise DataError(f"{train.where} holds no samples")
     if isinstance(train.x, list):
@@ -152,7 +152,7 @@ def _assemble(name: str, path: Path, train: _Split, test: _Split | None,
     x_train, x_test, size_train, size_test = _inputs(train, test)
     scale = 255.0 if x_train.dtype == np.uint8 else 1.0
     mean, std = _channel_stats(x_train, size_train, scale)
-    return _Raw(name, x_train, train.y, x_test, test.y, classes, mean, std, scale,
+    return Raw(name, x_train, train.y, x_test, test.y, classes, mean, std, scale,
                 client_train=train.client, client_test=test.client, clients=clients,
                 size_train=size_train, size_test=size_test)
 
@@ -410,7 +410,7 @@ def _read_npz(path: Path) -> tuple[_Split, _Split | None, tuple[str, ...] | None
 
 
 def from_arrays(name: str, arrays: Mapping[str, np.ndarray], where: str,
-                test_fraction: float = 0.2) -> _Raw:
+                test_fraction: float = 0.2) -> Raw:
     """A data set from named arrays, as an npz file holds them (``NPZ_ARRAYS``: x and y,
     optionally x_test, y_test, client, client_test, classes): what a plug-in's data set
     loader returns. ``where`` names the source in errors."""
