@@ -117,6 +117,12 @@ def test_a_share_that_leaves_no_client_to_train_is_refused():
 def test_a_runtime_that_cannot_serve_new_clients_refuses_them():
     with pytest.raises(ConfigError, match="only the simulation"):
         check_runtime(fast_config(NEW), None, False, False, transport_serves_new=False)
+    pytest.importorskip("flwr")
+    from edgepfl.engine.flower_local import run_local
+
+    with pytest.raises(ConfigError, match="eval.new_clients = 0.34 serves held-out clients"):
+        run_local({"dataset.name": "synthetic", "partition.clients": 6, "train.rounds": 1,
+                   "eval.new_clients": 0.34, "output.plots": False})
 
 
 def test_compare_shows_the_new_clients_beside_acc_mean(tmp_path):
