@@ -449,7 +449,7 @@ def test_a_flower_run_on_crops_equals_the_simulation(any_size):
     """Over LocalGrid (Flower's wire format); the ratios travel as one string, since a
     Flower run config holds scalars only."""
     pytest.importorskip("flwr")
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
 
     rc = {"dataset.name": "synthetic", "partition.clients": 3, "train.rounds": 2,
           "train.batch_size": 32, "train.local_epochs": 1, "train.lr": 0.05,

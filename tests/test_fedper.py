@@ -117,7 +117,7 @@ def test_resumed_run_gives_identical_metrics(tmp_path):
 def test_flower_run_equals_the_simulation():
     """The personalization layers live in each node's Context.state on Flower."""
     pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
     from tests.test_flower import run_config
 
     rc = {**run_config(algorithm__name="fedper"), "train.participation": 0.67}

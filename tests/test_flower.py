@@ -16,22 +16,20 @@ from flwr.clientapp import ClientApp  # noqa: E402
 
 from edgepfl.algorithms import get_algorithm  # noqa: E402
 from edgepfl.config import build_config  # noqa: E402
-from edgepfl.engine import flower  # noqa: E402
+from edgepfl.engine import flower, flower_local  # noqa: E402
 from edgepfl.engine.flower import (  # noqa: E402
     COLUMNS,
     META,
     STATE,
     STATS,
     TENSORS,
-    LocalGrid,
-    _server_identity,
     client_app,
     config_from_run,
     from_content,
     partition_id,
-    run_local,
     to_content,
 )
+from edgepfl.engine.flower_local import LocalGrid, _server_identity, run_local  # noqa: E402
 from edgepfl.engine.simulation import METRIC_COLUMNS, Simulation  # noqa: E402
 from edgepfl.engine.transport import TooFewReplies  # noqa: E402
 from edgepfl.errors import ConfigError, EdgepflError  # noqa: E402
@@ -129,7 +127,7 @@ class ReversedGrid(LocalGrid):
 def test_flower_run_equals_the_simulation(algorithm, extra, grid, monkeypatch):
     """The same algorithm objects, seeds and data: every round's figures are identical,
     whatever order the replies arrive in."""
-    monkeypatch.setattr(flower, "LocalGrid", grid)
+    monkeypatch.setattr(flower_local, "LocalGrid", grid)
     rc = {**run_config(algorithm__name=algorithm), **extra}
     sets = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in rc.items()]
     sim = Simulation(fast_config(*sets), progress=False).run()

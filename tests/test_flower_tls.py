@@ -26,7 +26,8 @@ from cryptography.hazmat.primitives.serialization import load_ssh_private_key  #
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
 
-from edgepfl.engine.flower import META, TENSORS, LocalGrid, _server_identity, from_content  # noqa: E402
+from edgepfl.engine.flower import META, TENSORS, from_content  # noqa: E402
+from edgepfl.engine.flower_local import LocalGrid, _server_identity  # noqa: E402
 from edgepfl.federation.messages import MessageError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -267,7 +267,7 @@ def test_resumed_run_gives_identical_metrics(tmp_path):
 
 def test_a_flower_run_equals_the_simulation():
     pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
 
     rc = {"dataset.name": "synthetic", "partition.clients": 4, "train.rounds": 2,
           "train.batch_size": 32, "train.local_epochs": 1, "train.lr": 0.05,

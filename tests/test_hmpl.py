@@ -500,7 +500,7 @@ def test_a_resumed_run_equals_a_straight_one(tmp_path):
 
 def test_hmpl_s_on_flower_equals_the_simulation_and_hmpl_tiers_by_measured_time():
     pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
 
     base = {"dataset.name": "synthetic", "dataset.fraction": 0.1, "partition.clients": 3,
             "train.rounds": 2, "train.batch_size": 16, "train.local_epochs": 1, "train.lr": 0.05,

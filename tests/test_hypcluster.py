@@ -198,7 +198,7 @@ def test_flower_run_equals_the_simulation():
     """Initialisation and clustered rounds over Flower's wire format, losses tensor and
     cluster index included, give the simulation's figures."""
     pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
     from tests.test_flower import run_config
 
     rc = {**run_config(algorithm__name="hypcluster"), "partition.clients": 4,

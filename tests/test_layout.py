@@ -50,3 +50,104 @@ def test_algorithms_import_no_runtime(path):
 
 def test_flower_does_not_import_the_simulation_module():
     assert "edgepfl.engine.simulation" not in imported(SRC / "engine" / "flower.py")
+
+
+# -- fitness: sizes and the import graph, held so that what was met stays met ----------------
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 60
+
+
+def _sources() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_no_source_file_is_over_800_lines():
+    sizes = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in _sources()}
+    over = {name: n for name, n in sizes.items() if n > MAX_FILE_LINES}
+    assert not over, f"files over {MAX_FILE_LINES} lines (split them by what they do): {over}"
+
+
+def test_no_function_is_over_60_lines():
+    over = {}
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    over[f"{path.relative_to(SRC)}:{node.lineno} {node.name}"] = lines
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines: {over}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:`` (names for the type checker,
+    never imported when the code runs)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)):
+                todo.append(child)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """edgepfl module -> the edgepfl modules it imports when it runs, late imports
+    included; ``from package import name`` points at the submodule when there is one."""
+    modules = {_module_name(p): p for p in _sources()}
+    graph = {}
+    for name, path in modules.items():
+        out = set()
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    out.add(sub if sub in modules else node.module)
+        graph[name] = {m for m in out if m in modules and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_sees_late_imports_and_the_finder_finds_cycles():
+    # plugins.register_algorithm imports the registry inside the function
+    assert "edgepfl.algorithms" in import_graph()["edgepfl.plugins"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_late_imports_included():
+    found = cycles(import_graph())
+    assert not found, f"modules that import each other, at any depth: {found}"

@@ -357,7 +357,7 @@ def test_pfedbayes_refuses_batchnorm_and_momentum():
 
 def test_flower_run_equals_the_simulation():
     pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
     from edgepfl.engine.simulation import METRIC_COLUMNS
 
     rc = {"dataset.name": "synthetic", "partition.clients": 3, "train.rounds": 2,

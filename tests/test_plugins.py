@@ -132,7 +132,7 @@ def test_an_installed_package_is_found_through_its_entry_point(tmp_path, monkeyp
 
 
 def test_flower_apps_load_the_plugins_of_the_run_config():
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
 
     result = run_local({"plugins": str(EXAMPLE), "algorithm.name": "fedavgm",
                         "dataset.name": "blobs", "partition.clients": 3, "train.rounds": 1,

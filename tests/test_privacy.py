@@ -400,7 +400,7 @@ def test_flower_accounts_as_the_simulation(level):
     """Client level runs in the ServerApp, sample level on each ClientApp, whose replies
     carry the DP-SGD steps it ran: the same figures as the simulation's."""
     pytest.importorskip("flwr")
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
 
     over = [*BASE, "algorithm.name=fedavg", f"privacy.level={level}",
             "privacy.noise_multiplier=1.5"]

@@ -148,7 +148,7 @@ def test_flower_run_equals_the_simulation():
     pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
     import json
 
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
     from tests.test_flower import run_config
 
     rc = {**run_config(algorithm__name="scaffold"), "train.participation": 0.67}

@@ -179,7 +179,7 @@ def test_worker_processes_train_at_the_same_rates_as_the_sequential_run():
 
 def test_flower_trains_at_the_simulations_rates_and_stops_where_it_does():
     pytest.importorskip("flwr", reason="the flower extra is part of the dev set-up")
-    from edgepfl.engine.flower import run_local
+    from edgepfl.engine.flower_local import run_local
 
     rc = {"dataset.name": "synthetic", "partition.clients": 3, "train.rounds": 4,
           "train.batch_size": 32, "train.local_epochs": 1, "train.lr": 0.05,

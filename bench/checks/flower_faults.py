@@ -487,6 +487,7 @@ def replay(args, d: dict) -> dict:
     from flwr.app import Context
 
     from edgepfl.engine import flower as efl
+    from edgepfl.engine import flower_local
 
     torch.set_num_threads(1)
     logging.getLogger("edgepfl").setLevel(logging.ERROR)  # its failures are the ones replayed
@@ -508,8 +509,8 @@ def replay(args, d: dict) -> dict:
 
     rc = {**d["rc"], "out": str(root / "replay"), "wait": 0}
     shutil.rmtree(root / "replay", ignore_errors=True)
-    with efl._server_identity():
-        result = efl.run_server(efl.LocalGrid(app, args.nodes, rc), rc)
+    with flower_local._server_identity():
+        result = efl.run_server(flower_local.LocalGrid(app, args.nodes, rc), rc)
     from edgepfl.io import read_tensors
     real, meta = read_tensors(out / "checkpoint.safetensors")
     again, _ = read_tensors(root / "replay" / "checkpoint.safetensors")
