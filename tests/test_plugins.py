@@ -33,12 +33,48 @@ def test_the_example_runs_from_the_command_line_and_resumes_in_a_fresh_process(t
     assert "fedavgm on blobs (4 clients, 2 rounds)" in res.output
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["plugins"] == [str(EXAMPLE)] and cfg["model"]["name"] == "tiny_mlp"
-    # a new process knows nothing of the plug-in but what config.json records
-    done = subprocess.run([sys.executable, "-m", "edgepfl.cli", "run", "--resume", str(run),
-                           "--set", "train.rounds=3", "--quiet"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    # a new process knows nothing of the plug-in but what config.json records: code from
+    # the run directory, imported only when asked to
+    resume = [sys.executable, "-m", "edgepfl.cli", "run", "--resume", str(run),
+              "--set", "train.rounds=3", "--quiet"]
+    done = subprocess.run(resume, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stdout
+    assert "--trust-plugins" in done.stderr and repr(str(EXAMPLE)) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    done = subprocess.run([*resume, "--trust-plugins"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "fedavgm on blobs (4 clients, 3 rounds)" in done.stdout
+    # or named on the command line, as when it started
+    done = subprocess.run([*resume[:-3], "--set", "train.rounds=4", "--quiet", "--plugin",
+                           str(EXAMPLE)], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "fedavgm on blobs (4 clients, 4 rounds)" in done.stdout
+
+
+def test_a_refused_resume_imports_none_of_the_runs_plugins(tmp_path):
+    """A run directory's config.json naming a plug-in the command does not: the resume is
+    refused before anything is imported (the plug-in would write a marker)."""
+    marker = tmp_path / "imported"
+    plugin = tmp_path / "marker_plugin.py"
+    plugin.write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
+    run = tmp_path / "run"
+    assert invoke("run", *SMALL[:-1], "--set", "dataset.name=synthetic", "--set",
+                  "train.rounds=1", "--quiet", "--out", str(run)).exit_code == 0
+    stored = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**stored, "plugins": [str(plugin)]}))
+    before = (run / "metrics.csv").read_bytes()
+    res = invoke("run", "--resume", str(run), "--set", "train.rounds=2", "--quiet")
+    assert res.exit_code == 2, res.output
+    assert "--trust-plugins" in res.output and "marker_plugin.py" in res.output
+    assert not marker.exists(), "a refused resume imported the run's plug-in"
+    assert (run / "metrics.csv").read_bytes() == before
+    res = invoke("run", "--resume", str(run), "--set", "train.rounds=2", "--quiet",
+                 "--trust-plugins")
+    assert res.exit_code == 0, res.output
+    assert marker.exists()
+    assert invoke("run", "--trust-plugins", "--quiet").exit_code == 2
 
 
 def test_list_shows_a_plugins_names_and_where_they_come_from():

@@ -164,12 +164,15 @@ def main(log_level: str) -> None:
 @click.option("--quiet", is_flag=True, help="no progress display")
 @click.option("--threads", type=_Threads(), help=THREADS_HELP)
 @_plugin_option
+@click.option("--trust-plugins", is_flag=True,
+              help="with --resume: import the plug-ins the run's config.json names (code "
+              "from the run directory; without it, those not given with --plugin are refused)")
 @_user_errors(lambda: _how_to_resume(_RUN_DIR.get("dir")))
 def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         resume: Path | None, quiet: bool, threads: int | str | None,
-        plugins: tuple[str, ...]) -> None:
+        plugins: tuple[str, ...], trust_plugins: bool) -> None:
     """Run one algorithm. With no arguments: FedAvg on digits, 10 clients, Dirichlet 0.3."""
-    from edgepfl.config import config_from_sources, load_config_file
+    from edgepfl.config import config_from_sources, listed, load_config_file
     from edgepfl.engine.simulation import resume_run, start_run
     from edgepfl.io import read_json
 
@@ -203,9 +206,19 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
                 if isinstance(rounds, int):
                     extra.insert(0, f"train.rounds={rounds}")
             cfg = config_from_sources(config, extra)
+        # the plug-ins this command names (--plugin, the given file's) are the user's own;
+        # those only the run's config.json names wait for --trust-plugins
+        own = list(plugins)
+        if config:
+            named = listed(load_config_file(config).get("plugins"))
+            own += named if isinstance(named, list) else []
         result = resume_run(resume, cfg, progress=_progress_flag(quiet),
-                            overrides=None if config else list(overrides))
+                            overrides=None if config else list(overrides),
+                            plugins=own, trust_plugins=trust_plugins)
     else:
+        if trust_plugins:
+            raise EdgepflError("--trust-plugins is for --resume: a new run loads the "
+                               "plug-ins its command and configuration name")
         from edgepfl.engine.rundir import default_run_dir
 
         cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)

@@ -204,6 +204,28 @@ def _load(spec: str) -> None:
     _loaded[key] = name
 
 
+def _key(spec: str) -> str:
+    """The key a plug-in is imported under (``_loaded``): a file by its resolved path."""
+    path = Path(spec).expanduser()
+    is_file = spec.endswith(".py") or path.suffix == ".py" or "/" in spec or path.is_file()
+    return str(path.resolve()) if is_file else spec
+
+
+def is_loaded(spec: str) -> bool:
+    """Whether importing ``spec`` again would run nothing: this process has loaded it as a
+    plug-in, or (a module) imported it already."""
+    key = _key(str(spec))
+    return key in _loaded or (key == spec and spec in sys.modules)
+
+
+def not_trusted(specs: Iterable[str], trusted: Iterable[str] = ()) -> list[str]:
+    """The plug-ins of ``specs`` that loading would import for the first time and that are
+    not among ``trusted`` (those given on the command line): the code a stored
+    configuration would run unasked."""
+    given = {_key(str(t)) for t in trusted}
+    return [str(s) for s in specs if not is_loaded(str(s)) and _key(str(s)) not in given]
+
+
 def recorded(specs: Iterable[str]) -> list[str]:
     """Plug-in specs as a configuration records them: a file by its absolute path (a run
     resumed from another folder finds it), a module by its name; each once."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -37,7 +37,7 @@ from edgepfl.engine.progress import RoundProgress
 from edgepfl.engine.trackers import tracker_hooks
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.io import read_tensors, write_csv, write_json, write_tensors
-from edgepfl.plugins import load_plugins
+from edgepfl.plugins import load_plugins, not_trusted
 
 try:
     import fcntl
@@ -435,12 +435,24 @@ def with_before(cfg: dict) -> dict:
     return {**cfg, "algorithm": {**stored, **missing}} if missing else cfg
 
 
-def load_run_plugins(stored: dict) -> None:
-    """Load the plug-ins a run's own config.json names, to resume that run (documented:
-    resuming a run runs its code, as starting it did). Never called on a checkpoint's
-    metadata."""
+def load_run_plugins(stored: dict, where: Path | str = "the run", *,
+                     trusted: Iterable[str] = (), trust: bool = False) -> None:
+    """Load the plug-ins a run's own config.json names, to resume that run. A run directory
+    may come from someone else, and its config.json is then code to run: a plug-in not
+    loaded in this process already and not among ``trusted`` (given with --plugin) is
+    refused, naming them all and importing none, unless ``trust`` (--trust-plugins).
+    Never called on a checkpoint's metadata."""
     plugins = stored.get("plugins")
-    load_plugins(plugins if isinstance(plugins, list) else [])
+    plugins = [str(p) for p in plugins] if isinstance(plugins, list) else []
+    unknown = [] if trust else not_trusted(plugins, trusted)
+    if unknown:
+        raise ConfigError(
+            f"{where} names plug-ins that resuming it would import, that is run as code: "
+            + ", ".join(repr(p) for p in unknown)
+            + "\nnone was imported. If you trust them (read them first: a run directory from "
+            "someone else can hold any code), resume with --trust-plugins (edgepfl run), or "
+            "name each with --plugin")
+    load_plugins(plugins)
 
 
 def comparable(cfg: dict) -> dict:

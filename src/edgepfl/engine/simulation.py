@@ -52,7 +52,7 @@ from edgepfl.engine.rundir import (
 )
 from edgepfl.engine.threads import ThreadGovernor, step_flops
 from edgepfl.engine.transport import ClientFailure, ClientReply, Figures, Transport
-from edgepfl.engine.workers import WorkerPool, worker_count
+from edgepfl.engine.workers import TimedPool, WorkerPool, worker_count
 from edgepfl.errors import ConfigError, DataError, EdgepflError
 from edgepfl.federation.messages import Message
 from edgepfl.federation.store import StackedStore, sendable
@@ -107,7 +107,9 @@ class InProcess(Transport):
                 f"train.workers = {train.workers} in worker processes: choose one "
                 f"(train.workers = 1, or train.batch_clients = false)")
         workers = 1 if self.batch_clients else worker_count(train.workers, parts.trainer.device)
-        self.pool = WorkerPool(workers, self._worker_task) if workers > 1 else None
+        self.timeout = _client_timeout(parts.cfg, workers)
+        pool = WorkerPool if self.timeout is None else TimedPool
+        self.pool = pool(workers, self._worker_task) if workers > 1 else None
         for cid in range(fed.num_clients):
             arch = parts.architectures[fed.arch[cid]]
             state = self.parts[arch.name].init_state(cid, arch.init_model)
@@ -120,7 +122,8 @@ class InProcess(Transport):
 
     def train(self, step: int, messages: dict[int, Message]) -> dict[int, ClientReply]:
         keys: dict[int, tuple] = {}
-        parallel = self.pool is not None and len(messages) > 1
+        # with a time limit even one client trains in a worker, where it can be stopped
+        parallel = self.pool is not None and (len(messages) > 1 or self.timeout is not None)
 
         def tasks():
             # local training cost depends on shapes, not values: counted once per
@@ -145,7 +148,9 @@ class InProcess(Transport):
         # in parallel every task is made before a reply is stored: the pool draws tasks in
         # a thread of its own, and a reply that adds entries to the store (an HMPL client
         # growing IP layers) must not change it under a task being read from it
-        if parallel:
+        if parallel and self.timeout is not None:
+            done = self.pool.map(list(tasks()), self.timeout, self._timed_out)
+        elif parallel:
             done = self.pool.map(list(tasks()))
         elif self.batch_clients:
             done = self._train_batched(list(tasks()))
@@ -161,6 +166,13 @@ class InProcess(Transport):
             replies[cid] = ClientReply(reply.delivered(), self.train_data[cid].n, stats,
                                        counted or 0)
         return replies
+
+    def _timed_out(self, task: tuple) -> tuple:
+        """The result of a client step that ran past ``faults.client_timeout``."""
+        log.warning("client %d's step ran past faults.client_timeout = %g s: it fails this "
+                    "round and its worker process is replaced", task[2], self.timeout)
+        return task[2], None, ClientFailure(
+            f"its step ran past faults.client_timeout = {self.timeout:g} s"), None, None
 
     def _worker_task(self, task: tuple):
         """One client's step, or with ``("eval", task)`` its evaluation, in this process or
@@ -279,6 +291,22 @@ def _warn_of_silent_figures(dataset: Dataset, test_sizes: np.ndarray) -> None:
     if classes < 2:
         log.warning("the training data holds %d class: every prediction is right, so its "
                     "accuracy (100%%) says nothing of the model", classes)
+
+
+def _client_timeout(cfg: Config, workers: int) -> float | None:
+    """``faults.client_timeout``, refused where clients train in this process: a step
+    there cannot be stopped without leaving the process in an unknown state."""
+    timeout = cfg.faults.client_timeout
+    if timeout is not None and workers < 2:
+        how = ("train.batch_clients = true trains them" if cfg.train.batch_clients else
+               "train.workers = auto (1 on this machine) trains them"
+               if cfg.train.workers == "auto" else "train.workers = 1 trains them")
+        raise ConfigError(
+            f"faults.client_timeout = {timeout:g} stops a client's step that runs too long "
+            f"by replacing the worker process it runs in, and needs train.workers > 1: {how} "
+            "in this process, where a step cannot be stopped safely; set train.workers = 2 "
+            "or more (train.batch_clients = false), or faults.client_timeout = none")
+    return timeout
 
 
 # what a client step may raise that stops the run: the user's to fix, not the client's
@@ -495,7 +523,8 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
 
 def resume_run(run_dir: str | Path, cfg: Config | None = None,
                progress: bool | None = None, overrides: list[str] | None = None,
-               label: str | None = None, **kwargs) -> RunResult:
+               label: str | None = None, *, plugins: Sequence[str] = (),
+               trust_plugins: bool = False, **kwargs) -> RunResult:
     """Continue ``run_dir`` from its last checkpoint.
 
     ``cfg`` (a whole configuration) or ``overrides`` (``key=value`` applied to the run's
@@ -503,17 +532,23 @@ def resume_run(run_dir: str | Path, cfg: Config | None = None,
     run then goes on to the new last round, exactly as a run started with that many rounds
     would have (nothing in a round depends on the total), and its config.json says so.
     ``kwargs`` go to ``Simulation`` (an already loaded ``dataset`` / ``partition``).
+    The plug-ins the run's config.json names are imported only if this process has them
+    already, ``plugins`` (the caller's own, e.g. --plugin) names them, or ``trust_plugins``;
+    else the resume is refused before anything is imported (``load_run_plugins``).
     """
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").exists():
         raise EdgepflError(f"{run_dir} holds no run to resume: it has no config.json (a run "
                            "directory is made by edgepfl run --out DIR)")
     with run_dir_lock(run_dir):  # another process running it is refused before any check
-        return _resume_run(run_dir, cfg, progress, overrides, label, **kwargs)
+        return _resume_run(run_dir, cfg, progress, overrides, label, plugins=plugins,
+                           trust_plugins=trust_plugins, **kwargs)
 
 
 def _resume_run(run_dir: Path, cfg: Config | None, progress: bool | None,
-                overrides: list[str] | None, label: str | None, **kwargs) -> RunResult:
+                overrides: list[str] | None, label: str | None, *,
+                plugins: Sequence[str] = (), trust_plugins: bool = False,
+                **kwargs) -> RunResult:
     from edgepfl.engine.trackers import check_trackers
 
     if not (run_dir / "config.json").exists():
@@ -521,7 +556,8 @@ def _resume_run(run_dir: Path, cfg: Config | None, progress: bool | None,
     stored = read_json(run_dir / "config.json")
     if not isinstance(stored, dict) or not isinstance(stored.get("train"), dict):
         raise ConfigError(f"{run_dir / 'config.json'} is not an edgepfl run configuration")
-    load_run_plugins(stored)  # its algorithm, model or data set may be one
+    # its algorithm, model or data set may be one; refused unless trusted
+    load_run_plugins(stored, run_dir / "config.json", trusted=plugins, trust=trust_plugins)
     stored = with_before(stored)  # a run from before a setting existed goes on as it ran
     if cfg is None and overrides:
         cfg = build_config(stored, overrides)

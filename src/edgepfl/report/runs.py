@@ -244,7 +244,9 @@ def _attempt(run_dir: str, config: dict, progress: bool | None) -> Finished | st
         # the progress lines say which of the planned runs they are (seed, grid point)
         label = f"{path.name}: {cfg.algorithm.name} on {cfg.dataset.name}"
         if (path / "config.json").exists():
-            result = resume_run(path, cfg, progress=progress, label=label, **data)
+            # the command's own plug-ins (--plugin, its configuration's): no others
+            result = resume_run(path, cfg, progress=progress, label=label,
+                                plugins=cfg.plugins, **data)
         else:
             result = start_run(cfg, path, progress=progress, label=label, **data)
     except (EdgepflError, OSError) as exc:
