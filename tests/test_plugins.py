@@ -112,6 +112,26 @@ def test_compare_and_tune_take_a_plugins_algorithm(tmp_path):
     assert json.loads((tmp_path / "t" / "best.json").read_text())["algorithm"] == "fedavgm"
 
 
+def test_tune_takes_a_plugins_algorithm_given_with_plugin_and_its_compare_loads_it(tmp_path):
+    """--plugin used to rebuild the configuration from model_dump(), so that every setting
+    counted as given: algorithm.name = 'fedavg' against --algorithm fedavgm."""
+    tiny = ["--trials", "1", "--set", "eval.validation=0.2", "--set", "train.rounds=1",
+            "--set", "dataset.name=blobs", "--set", "partition.clients=4", "--set",
+            "output.plots=false", "--quiet", "--threads", "1"]
+    res = invoke("tune", "--plugin", str(EXAMPLE), "--algorithm", "fedavgm", *tiny,
+                 "--study", str(tmp_path / "t"))
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "t" / "best.json").read_text())["algorithm"] == "fedavgm"
+    # the comparison it suggests loads the plug-in, or fedavgm would be unknown there
+    suggested = next(line for line in res.output.splitlines() if "compare --tuned" in line)
+    assert f"--plugin {EXAMPLE}" in suggested
+    assert f"--plugin {EXAMPLE}" in (tmp_path / "t" / "tune.md").read_text()
+    # a name the user did give still clashes
+    res = invoke("tune", "--plugin", str(EXAMPLE), "--algorithm", "fedavgm", "--set",
+                 "algorithm.name=fedavg", *tiny, "--study", str(tmp_path / "u"))
+    assert res.exit_code == 2 and "name one algorithm" in res.output, res.output
+
+
 def test_fedavgm_without_momentum_is_fedavg_and_with_it_is_not():
     plugins.load_plugins([str(EXAMPLE)])
     sets = ("dataset.name=blobs", "model.name=tiny_mlp", "train.rounds=2")

@@ -69,14 +69,15 @@ def _plugin_option(fn):
 def _with_plugins(cfg, plugins: tuple[str, ...]):
     """``cfg`` with the --plugin specs added to its ``plugins``, and every plug-in it names
     loaded, so that a command can check the names they register (``--algorithms``)."""
-    from edgepfl.config import build_config
     from edgepfl.plugins import load_plugins, recorded
 
     # a file named in a configuration or by --set is recorded by its absolute path too,
     # so that a resume from another folder finds that file and no other of its name
     merged = recorded([*cfg.plugins, *plugins])
     load_plugins(merged)
-    return cfg if merged == cfg.plugins else build_config({**cfg.model_dump(), "plugins": merged})
+    # a copy, not a configuration rebuilt from model_dump(): which settings the user gave
+    # (model_fields_set: tune's check of algorithm.name) stays as it was
+    return cfg if merged == cfg.plugins else cfg.model_copy(update={"plugins": merged})
 
 
 class _Threads(click.ParamType):
