@@ -191,3 +191,62 @@ def test_faults_need_what_they_act_on():
         Rounds(sim.rounds.parts, sim.transport, sim.system, sim.flops)
     with pytest.raises(ConfigError):
         fast_config("faults.drop_rate=1.5")
+
+
+# -- faults.client_timeout: a hung client step in a worker process -----------------------------
+def test_a_client_past_client_timeout_fails_its_round_and_its_worker_is_replaced(tmp_path,
+                                                                                  monkeypatch):
+    import csv
+    import time
+
+    import edgepfl.engine.simulation as simulation
+
+    step = simulation.client_step
+
+    def hangs(cfg, part, step_, cid, *args):
+        if cid == 2:
+            time.sleep(120)  # forked workers inherit this patch: the pool starts later
+        return step(cfg, part, step_, cid, *args)
+
+    monkeypatch.setattr(simulation, "client_step", hangs)
+    out = tmp_path / "run"
+    started = time.monotonic()
+    result = simulation.start_run(config("fedavg", "train.workers=2", "faults.client_timeout=3"),
+                                  out, progress=False)
+    assert time.monotonic() - started < 60
+    assert [r["clients_failed"] for r in result.metrics] == [1, 1]
+    assert result.summary["clients_failed_per_client"] == [0, 0, 2, 0, 0, 0]
+    with open(out / "failures.csv") as f:
+        reasons = {int(r["client"]): r["reason"] for r in csv.DictReader(f)}
+    assert reasons == {2: "no reply: its step ran past faults.client_timeout = 3 s"}
+
+
+def test_client_timeout_without_worker_processes_is_refused_at_set_up():
+    for setting in ("train.workers=1", "train.batch_clients=true"):
+        with pytest.raises(ConfigError, match="faults.client_timeout = 3 .* needs "
+                                              "train.workers > 1"):
+            Simulation(config("fedavg", setting, "faults.client_timeout=3"), progress=False)
+
+
+def test_a_worker_that_hangs_is_replaced_and_the_others_keep_their_work():
+    import os
+
+    from edgepfl.engine.workers import TimedPool
+
+    pool = TimedPool(2, _sleep_or_pid)
+    try:
+        first = list(pool.map([0, 30, 0.01, 0.02], timeout=2, on_timeout=lambda t: "late"))
+        assert first[1] == "late" and all(isinstance(r, int) for r in first[::2])
+        assert first[0] != os.getpid()
+        again = list(pool.map([0, 0]))  # the replaced worker serves as the others do
+        assert len(again) == 2 and all(isinstance(r, int) for r in again)
+    finally:
+        pool.close()
+
+
+def _sleep_or_pid(seconds: float) -> int:
+    import os
+    import time
+
+    time.sleep(seconds)
+    return os.getpid()

@@ -299,6 +299,12 @@ class FaultsConfig(_Section):
                                "the run with an error (resume from its last checkpoint)")
     max_message_bytes: int | None = Field(None, ge=1, description="a client reply larger "
                                           "than this is rejected as malformed (None: no cap)")
+    client_timeout: float | None = Field(None, gt=0, description="wall-clock seconds a "
+                                         "client's step may take in a worker process "
+                                         "(train.workers > 1); a client still training then "
+                                         "is a failed client of that round, its state "
+                                         "unchanged, and its worker is replaced (None: no "
+                                         "limit; simulation)")
 
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")

@@ -152,6 +152,10 @@ def check_runtime(cfg: Config, system: SystemModel | None, flops: bool, counts_f
                     "%d: this run will not stop early", t.early_stopping,
                     t.early_stopping + 1, t.rounds, every, (t.rounds - 1) // every)
     f = cfg.faults
+    if f.client_timeout is not None and not counts_flops:
+        raise ConfigError("faults.client_timeout bounds a simulated client's step in a worker "
+                          "process; on Flower the server's wait for replies is bounded by the "
+                          "run config's timeout: set faults.client_timeout = none")
     if f.drop_rate or f.straggler_rate or f.deadline is not None:
         if not counts_flops:
             raise ConfigError("faults.drop_rate, faults.straggler_rate and faults.deadline "

@@ -15,14 +15,16 @@ parent's memory, so the object set here before the pool starts is the workers' t
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 import weakref
+from multiprocessing import connection
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from edgepfl.engine.threads import free_cores
-from edgepfl.errors import ConfigError
+from edgepfl.errors import ConfigError, EdgepflError
 
 _job: Callable[[Any], Any] | None = None
 
@@ -79,3 +81,124 @@ class WorkerPool:
 def _stop(pool: Any) -> None:
     pool.terminate()
     pool.join()
+
+
+def _serve(conn: Any) -> None:
+    """A ``TimedPool`` worker: tasks in on ``conn``, ``("done", result)`` or
+    ``("raised", exception)`` out, until ``None`` or the pipe closes."""
+    _start()
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        if task is None:
+            return
+        try:
+            out: tuple = ("done", _run(task))
+        except Exception as exc:  # noqa: BLE001 - raised again in the parent
+            out = ("raised", exc)
+        conn.send(out)
+
+
+class _Worker:
+    """One forked process of a ``TimedPool`` with its pipe and the task it runs."""
+
+    def __init__(self) -> None:
+        ctx = torch.multiprocessing.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+        self.index, self.task, self.started = -1, None, 0.0
+
+    def give(self, index: int, task: Any) -> None:
+        self.conn.send(task)
+        self.index, self.task, self.started = index, task, time.monotonic()
+
+    def result(self) -> Any:
+        try:
+            kind, value = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise EdgepflError(f"a worker process (pid {self.proc.pid}) ended without "
+                               f"its result (exit code {self.proc.exitcode})") from exc
+        if kind == "raised":
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self.proc.kill()  # idle, or hung in a task: nothing of it is kept
+        self.proc.join()
+        self.conn.close()
+
+
+class TimedPool:
+    """``WorkerPool`` whose tasks may have a time limit (``faults.client_timeout``): each
+    worker has a pipe of its own, so the one still busy with a task when its time is up
+    is known; it is killed and replaced, and the task's result is ``on_timeout(task)``."""
+
+    def __init__(self, count: int, job: Callable[[Any], Any]):
+        self.count = count
+        self._job = job
+        self._workers: list[_Worker] = []
+
+    def _start_workers(self) -> None:
+        global _job
+        if not self._workers:
+            if "fork" not in mp.get_all_start_methods():
+                raise ConfigError("train.workers > 1 needs processes started by fork (Linux, "
+                                  "macOS); this platform has none: set train.workers = 1")
+            _job = self._job
+            self._workers = [_Worker() for _ in range(self.count)]
+            self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+
+    def map(self, tasks: Iterable[Any], timeout: float | None = None,
+            on_timeout: Callable[[Any], Any] | None = None) -> Iterator[Any]:
+        """The results of ``tasks`` in task order; a task running longer than ``timeout``
+        seconds gets ``on_timeout(task)`` as its result and its worker is replaced."""
+        self._start_workers()
+        todo = list(enumerate(tasks))[::-1]
+        count, out = len(todo), {}
+        idle, busy = list(self._workers), []
+        try:
+            while todo or busy:
+                while todo and idle:
+                    worker = idle.pop()
+                    worker.give(*todo.pop())
+                    busy.append(worker)
+                wait_s = (None if timeout is None else
+                          max(0.0, min(w.started for w in busy) + timeout - time.monotonic()))
+                ready = connection.wait([w.conn for w in busy], wait_s)
+                for worker in list(busy):
+                    done = worker.conn in ready
+                    if not done and (timeout is None
+                                     or time.monotonic() - worker.started < timeout):
+                        continue
+                    busy.remove(worker)
+                    if done:
+                        out[worker.index] = worker.result()
+                        idle.append(worker)
+                    else:
+                        assert on_timeout is not None, "a time limit without on_timeout"
+                        out[worker.index] = on_timeout(worker.task)
+                        idle.append(self._replace(worker))
+        except BaseException:
+            self.close()  # workers may be busy still: a later map starts fresh ones
+            raise
+        return iter([out[i] for i in range(count)])
+
+    def _replace(self, hung: _Worker) -> _Worker:
+        hung.stop()
+        fresh = _Worker()
+        self._workers[self._workers.index(hung)] = fresh
+        return fresh
+
+    def close(self) -> None:
+        if self._workers:
+            self._finalizer()
+            self._workers = []
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop()
