@@ -1,0 +1,31 @@
+"""docs/algorithms.md's supports table is the registry's: written from it, checked here."""
+
+from edgepfl.algorithms import ALGORITHMS
+from edgepfl.report import algorithm_table as at
+
+
+def test_the_docs_table_is_the_registrys():
+    text = at.DOC.read_text()
+    assert at.with_table(text, at.supports_table()) == text, (
+        "docs/algorithms.md's supports table differs from the registry: run "
+        "python -m edgepfl.report.algorithm_table")
+
+
+def test_the_table_reads_what_each_algorithm_declares():
+    rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[3:-1]]
+            for line in at.supports_table().splitlines()[2:]}
+    assert set(rows) == set(ALGORITHMS)
+    # tiers, edges, DP client, DP sample, batched, new clients
+    assert rows["hierfavg"][1] == "yes" and rows["fedavg"][1] == "-"
+    assert rows["fedavg"][0] == "yes" and rows["kapc"][0] == "-"
+    assert rows["local"][5] == "-" and rows["fedavg"][5] == "yes"
+    assert rows["fedavg"][4] == ("yes" if ALGORITHMS["fedavg"].client.batchable else "-")
+
+
+def test_check_mode_says_when_the_file_drifted(tmp_path, monkeypatch, capsys):
+    doc = tmp_path / "algorithms.md"
+    doc.write_text(f"intro\n{at.BEGIN}\n| stale |\n{at.END}\nrest\n")
+    monkeypatch.setattr(at, "DOC", doc)
+    assert at.main(["--check"]) == 1 and "differs" in capsys.readouterr().err
+    assert at.main([]) == 0 and at.main(["--check"]) == 0
+    assert doc.read_text().startswith("intro\n") and doc.read_text().endswith(f"{at.END}\nrest\n")
