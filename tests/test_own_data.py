@@ -71,6 +71,30 @@ def test_natural_npz_split_gives_each_client_exactly_its_samples(tmp_path):
     assert [row["train_size"] for row in written] == [30, 30, 30]
 
 
+def test_natural_split_takes_the_datas_count_unless_one_is_given(tmp_path):
+    from click.testing import CliRunner
+
+    from edgepfl.cli import main
+
+    names = np.array(["a", "b", "c", "d", "e", "f"])
+    rng = np.random.default_rng(2)
+    np.savez(tmp_path / "d.npz", x=id_images(60), y=rng.integers(0, 3, 60),
+             client=names[np.arange(60) % 6])
+    cfg = run_config(tmp_path / "d.npz", "partition.scheme=natural", "model.name=mlp")
+    sim = Simulation(cfg, progress=False)
+    assert sim.num_clients == 6 and sim.cfg.partition.clients == 6
+    out = tmp_path / "run"
+    args = ["run", "--quiet", "--out", str(out), "--set", f"dataset.path={tmp_path / 'd.npz'}",
+            *[f"--set={o}" for o in [*TINY, "dataset.name=npz", "partition.scheme=natural",
+                                      "model.name=mlp"]]]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["partition"]["clients"] == 6
+    with pytest.raises(ConfigError, match="has 6 clients .* but partition.clients = 4"):
+        Simulation(run_config(tmp_path / "d.npz", "partition.scheme=natural",
+                              "partition.clients=4"), progress=False)
+
+
 def test_natural_split_without_a_test_split_holds_out_each_clients_share(tmp_path):
     rng = np.random.default_rng(1)
     sizes = [20, 11, 5, 2]

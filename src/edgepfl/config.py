@@ -108,7 +108,7 @@ class PartitionConfig(_Section):
                         "of them, and each client's drawn around its edge's), natural (each "
                         "sample's client from the data)")
     clients: int = Field(10, ge=1, description="number of clients (natural: the number of "
-                         "clients in the data)")
+                         "clients in the data, which it is when left out)")
     alpha: float = Field(0.3, gt=0, description="Dirichlet concentration (smaller = more "
                          "skewed); hierarchical: a client's mix ~ Dir(alpha x its edge's mix), "
                          "so smaller = clients further from their edge")

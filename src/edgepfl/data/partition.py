@@ -232,14 +232,16 @@ def partition_of(cfg: PartitionConfig, dataset: Dataset, seed: int,
     it this way); ``edges``, ``topology.edges``, is read by the hierarchical scheme only. A
     natural split needs ``partition.clients`` to be the number of clients
     the data names: the settings stay the whole description of the federation (the system
-    model, topology and algorithms read that number before any data is loaded)."""
+    model, topology and algorithms read that number before any data is loaded). Left
+    unset, it is the data's count (``engine.parts.natural_clients``, at ``resolve``)."""
     natural = cfg.scheme == "natural"
     if natural and dataset.client_train is not None and cfg.clients != len(dataset.clients):
         names = ", ".join(dataset.clients[:5]) + (", ..." if len(dataset.clients) > 5 else "")
         raise ConfigError(
             f"partition.scheme = 'natural': data set {dataset.name!r} has "
             f"{len(dataset.clients)} clients ({names}), but partition.clients = {cfg.clients}; "
-            f"set partition.clients = {len(dataset.clients)}")
+            f"set partition.clients = {len(dataset.clients)}, or leave it out (a natural "
+            f"split then takes the data's count)")
     if natural and dataset.client_train is not None:
         sizes = np.bincount(dataset.client_train.numpy(), minlength=len(dataset.clients))
         if (sizes == 0).any():

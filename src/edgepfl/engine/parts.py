@@ -39,10 +39,27 @@ from edgepfl.plugins import load_plugins
 from edgepfl.privacy import check_privacy, make_trainer
 
 
+def natural_clients(cfg: Config, dataset: Dataset | None = None
+                    ) -> tuple[Config, Dataset | None]:
+    """A natural split whose ``partition.clients`` was not given takes the data's count of
+    clients (a given count must match it: ``partition_of``); ``dataset``, the data set if
+    loaded already, is returned, loaded if this needed it."""
+    part = cfg.partition
+    if part.scheme != "natural" or "clients" in part.model_fields_set:
+        return cfg, dataset
+    load_plugins(cfg.plugins)  # the data set may be a plug-in's
+    dataset = dataset or dataset_of(cfg.dataset, cfg.seed)
+    if not dataset.clients or part.clients == len(dataset.clients):
+        return cfg, dataset
+    counted = part.model_copy(update={"clients": len(dataset.clients)})
+    return cfg.model_copy(update={"partition": counted}), dataset
+
+
 def resolve(cfg: Config) -> Config:
-    """Fill in what defaults depend on (model per data set, algorithm hyperparameters),
-    with the configuration's plug-ins loaded first."""
+    """Fill in what defaults depend on (model per data set, algorithm hyperparameters,
+    a natural split's count of clients), with the configuration's plug-ins loaded first."""
     load_plugins(cfg.plugins)
+    cfg = natural_clients(cfg)[0]
     algo = get_algorithm(cfg.algorithm.name)
     hp = algo.parse_hyperparameters(cfg.algorithm.hyperparameters())
     if algo.complete is not None:

@@ -32,7 +32,13 @@ from edgepfl.engine.client_step import (
     evaluate_new_client,
 )
 from edgepfl.engine.ledger import METRIC_COLUMNS, accuracy_row, accuracy_summary, metric_columns
-from edgepfl.engine.parts import Parts, image_crops, load_federation, resolve
+from edgepfl.engine.parts import (
+    Parts,
+    image_crops,
+    load_federation,
+    natural_clients,
+    resolve,
+)
 from edgepfl.engine.progress import setting_up
 from edgepfl.engine.rounds import Rounds
 from edgepfl.engine.rundir import (
@@ -325,6 +331,7 @@ class Simulation:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, *,
                  progress: bool | None = None, dataset: Dataset | None = None,
                  partition: Partition | None = None):
+        cfg, dataset = natural_clients(cfg, dataset)  # a natural split's data, loaded once
         self.cfg = cfg = resolve(cfg)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress
@@ -505,6 +512,7 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
     a tracker's package not installed) leaves no trace of itself."""
     from edgepfl.engine.trackers import check_trackers
 
+    cfg, dataset = natural_clients(cfg, kwargs.pop("dataset", None))
     cfg = resolve(cfg)
     out = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
     check_trackers(cfg, out)
@@ -512,7 +520,7 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
         claim_new_run(out, cfg.model_dump())
         try:
             with setting_up(f"{cfg.algorithm.name} on {cfg.dataset.name}", progress):
-                sim = Simulation(cfg, out, progress=progress, **kwargs)
+                sim = Simulation(cfg, out, progress=progress, dataset=dataset, **kwargs)
         except BaseException:
             # e.g. a data set that is not there: leave no run behind (the directory goes
             # with the lock if this call made it and nothing else is in it)
