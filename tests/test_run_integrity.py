@@ -547,6 +547,18 @@ def test_tune_takes_out_for_its_study_folder(tmp_path):
     assert (study / "tune.md").exists() and (study / "trial-0000").is_dir()
 
 
+def test_tune_refuses_study_and_out_naming_two_folders(tmp_path):
+    from click.testing import CliRunner
+
+    from edgepfl.cli import main
+
+    res = CliRunner().invoke(main, ["tune", "--algorithm", "fedprox", "--trials", "1",
+                                    "--study", str(tmp_path / "a"), "--out", str(tmp_path / "b")])
+    assert res.exit_code != 0
+    assert "name the same thing, the study's folder, differently: give one" in res.output
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 # -- 5. privacy settings without privacy.level are said to do nothing ----------------------------
 def test_privacy_settings_without_a_level_are_warned_of(caplog):
     from edgepfl.engine.simulation import Simulation

@@ -363,10 +363,12 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
               help="search KEY over a range, replacing its default range: "
               "loguniform:LOW:HIGH, uniform:LOW:HIGH, int:LOW:HIGH or choice:A,B,...; e.g. "
               "--space algorithm.mu=loguniform:0.001:1 (repeatable)")
-@click.option("--study", "--out", "study", type=click.Path(path_type=Path),
+@click.option("--study", "study", type=click.Path(path_type=Path),
               help="the study's folder (or its study.db), which holds the trials' run "
               "directories; an existing study goes on (default runs/tune-<algorithm>: the same "
-              "command again goes on); --out, as the other commands name it, is the same")
+              "command again goes on)")
+@click.option("--out", "out", type=click.Path(path_type=Path),
+              help="the same as --study, as the other commands name their folder")
 @click.option("--jobs", type=int, default=1, show_default=True,
               help="worker processes sharing the study, each running trials with --threads "
               "torch threads (default: the cores shared out); the command in several shells "
@@ -381,8 +383,8 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
 @_plugin_option
 @_user_errors("the study keeps every finished trial: the same command again goes on with it")
 def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str, ...],
-         space: tuple[str, ...], study: Path | None, jobs: int, seed: int, prune: bool,
-         quiet: bool, threads: int | str | None, plugins: tuple[str, ...]) -> None:
+         space: tuple[str, ...], study: Path | None, out: Path | None, jobs: int, seed: int,
+         prune: bool, quiet: bool, threads: int | str | None, plugins: tuple[str, ...]) -> None:
     """Search an algorithm's hyperparameters on the validation split (Optuna, TPE): each
     trial a run scored by its best mean validation accuracy over the rounds; tune.md and
     tune.csv list the trials, best.json holds the best setting for compare --tuned.
@@ -391,6 +393,10 @@ def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str,
     edgepfl tune --algorithm fedprox --trials 30 --set eval.validation=0.2 \\
         --study runs/tune-fedprox
     """
+    if study is not None and out is not None and study != out:
+        raise EdgepflError(f"--study {study} and --out {out} name the same thing, the "
+                           "study's folder, differently: give one of them")
+    study = study if study is not None else out
     overrides = _threads(overrides, threads)
     from edgepfl.algorithms import get_algorithm
     from edgepfl.config import config_from_sources
