@@ -258,3 +258,33 @@ def test_plugin_models_and_loaders_are_held_to_their_contract(tmp_path):
         assert res.exit_code == 2, (sets, res.output)
         assert needle in res.output and "contracts.py" in res.output, res.output
         assert not out.exists()
+
+
+STATEFUL = EXAMPLE.parent / "client_momentum_plugin.py"
+
+
+def test_the_stateful_example_keeps_its_clients_state_across_a_resume(tmp_path):
+    """docs/plugins.md's example: each client's velocity and round count live in its state,
+    which the checkpoint keeps; 2 rounds and a resume to 3 are the 3-round run."""
+    from edgepfl.engine.simulation import CHECKPOINT
+    from edgepfl.io import read_tensors
+
+    args = ["--plugin", str(STATEFUL), "--set", "algorithm.name=clientmom", "--set",
+            "dataset.name=synthetic", "--set", "partition.clients=3", "--set",
+            "train.participation=0.67", "--set", "output.plots=false", "--quiet",
+            "--threads", "1"]
+    res = invoke("run", *args, "--set", "train.rounds=2", "--out", str(tmp_path / "r"))
+    assert res.exit_code == 0, res.output
+    tensors, _ = read_tensors(tmp_path / "r" / CHECKPOINT)
+    counts = tensors["client/rounds"]
+    assert counts.sum().item() == 4 and counts.max().item() <= 2, counts  # 2 clients a round
+    assert any(k.startswith("client/velocity.") for k in tensors)
+    res = invoke("run", "--resume", str(tmp_path / "r"), "--set", "train.rounds=3", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert read_tensors(tmp_path / "r" / CHECKPOINT)[0]["client/rounds"].sum().item() == 6
+    res = invoke("run", *args, "--set", "train.rounds=3", "--out", str(tmp_path / "whole"))
+    assert res.exit_code == 0, res.output
+    resumed, whole = (json.loads((tmp_path / d / "summary.json").read_text())
+                      for d in ("r", "whole"))
+    for key in ("acc_mean_final", "acc_std_final", "acc_min_final"):
+        assert resumed[key] == whole[key], key
