@@ -13,7 +13,9 @@ Load it with ``edgepfl run --plugin my_plugin.py`` (repeatable; also on ``compar
 ``sweep``, ``tune`` and ``list``), with ``plugins = ["my_plugin.py"]`` in a configuration,
 or, for an installed package, an entry point in the group ``edgepfl.plugins`` (loaded
 whenever edgepfl resolves a configuration). A run's config.json records its plug-ins, so
-``--resume``, ``compare`` and a Flower ServerApp or ClientApp load them again. Names are
+``compare`` and a Flower ServerApp or ClientApp load them again, and ``--resume`` does
+when they are given again with ``--plugin`` or ``--trust-plugins`` says so (a run
+directory from someone else is code; ``not_trusted``). Names are
 checked like built-in ones: a plug-in may not take a name edgepfl or another plug-in
 already uses.
 
