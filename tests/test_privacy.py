@@ -22,6 +22,7 @@ from edgepfl.privacy import PrivacyError
 from edgepfl.privacy.accounting import calibrate, client_epsilon, sample_epsilon
 from edgepfl.privacy.aggregate import private_replies
 from edgepfl.privacy.dpsgd import PrivateTrainer, accounted
+from tests.conftest import resumed_and_straight, without_wall
 
 dp = pytest.importorskip("dp_accounting")
 
@@ -267,6 +268,17 @@ def test_sample_level_resumes_with_the_steps_counted_so_far(tmp_path):
     resumed.load_checkpoint(tmp_path / "checkpoint.safetensors")
     resumed.step()
     assert resumed.summary()["epsilon_per_client"] == straight.summary()["epsilon_per_client"]
+
+
+def test_sample_level_resumed_run_counts_the_flops_of_a_straight_one(tmp_path):
+    """DP-SGD's batches have random sizes: a round's FLOPs are counted, not an earlier
+    round's reused (which a resumed run's empty meter had not kept), so every column but
+    wall_s equals the straight run's, flops_client and the round times included."""
+    resumed, straight = resumed_and_straight(
+        tmp_path, "algorithm.name=fedavg", "privacy.level=sample",
+        "privacy.noise_multiplier=1.0", "dataset.fraction=0.2")
+    assert without_wall(resumed.metrics) == without_wall(straight.metrics)
+    assert resumed.metrics[-1]["flops_client"] > 0
 
 
 # -- the budget ---------------------------------------------------------------------------

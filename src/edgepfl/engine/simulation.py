@@ -101,6 +101,11 @@ class InProcess(Transport):
         self.train_sizes = [d.n for d in train_data]
         self.val_data = val_data or [None] * len(train_data)
         self.flops = flops
+        # DP-SGD's work is not a function of shapes (each step's batch is Poisson-sampled,
+        # of a random size): every update is counted, its repeated batch shapes once
+        # (counted_once), never an earlier round's count reused, which a resumed run's
+        # empty meter would not have
+        self.recount = parts.cfg.privacy.level == "sample"
         self.store = StackedStore(fed.num_clients, parts.stacks)
         # what a held-out client starts from (eval.new_clients): its architecture's model
         self.init_models = {name: a.init_model for name, a in parts.architectures.items()}
@@ -144,9 +149,9 @@ class InProcess(Transport):
                 msg, state = down.delivered(), self.store.row(cid)
                 key = keys[cid] = ("client", self.arch[cid], self._work_shape(cid),
                                    work_signature(msg, state))
-                count = (self.flops.enabled and self.flops.cached(key) is None
-                         and key not in counting)
-                if count and self.flops.cache:
+                count = self.flops.enabled and (self.recount or (
+                    self.flops.cached(key) is None and key not in counting))
+                if count and self.flops.cache and not self.recount:
                     counting.add(key)
                 yield "train", step, cid, msg, sendable(state) if parallel else state, count
 
