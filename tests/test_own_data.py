@@ -442,3 +442,47 @@ def test_a_resume_on_other_data_is_refused_and_changes_nothing(tmp_path):
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     np.savez(data, x=id_images(60), y=np.random.default_rng(0).integers(0, 3, 60))  # the original
     assert [r["round"] for r in resume_run(run, overrides=["train.rounds=2"], progress=False).metrics] == [1, 2]
+
+
+def test_a_relative_dataset_path_is_stored_absolute_and_resumes_from_anywhere(tmp_path,
+                                                                             monkeypatch):
+    from edgepfl.engine.simulation import resume_run, start_run
+    from edgepfl.io import read_json
+
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    np.savez(home / "d.npz", x=id_images(60), y=np.random.default_rng(0).integers(0, 3, 60))
+    over = ["model.name=mlp", "partition.clients=3", "partition.scheme=iid"]
+    monkeypatch.chdir(home)
+    run = tmp_path / "run"
+    start_run(run_config("d.npz", *over), run, progress=False)
+    assert read_json(run / "config.json")["dataset"]["path"] == str(home / "d.npz")
+    monkeypatch.chdir(elsewhere)
+    assert len(resume_run(run, overrides=["train.rounds=2"], progress=False).metrics) == 2
+    # a path naming the same files, relative to this folder, is no change; another one is
+    again = ["train.rounds=3", "dataset.path=../home/d.npz"]
+    assert len(resume_run(run, overrides=again, progress=False).metrics) == 3
+    assert read_json(run / "config.json")["dataset"]["path"] == str(home / "d.npz")
+    np.savez(elsewhere / "d.npz", x=id_images(60), y=np.random.default_rng(0).integers(0, 3, 60))
+    with pytest.raises(ConfigError, match="dataset.path: run has"):
+        resume_run(run, overrides=["train.rounds=4", "dataset.path=d.npz"], progress=False)
+
+
+def test_a_runs_old_relative_dataset_path_takes_a_given_one_from_another_folder(
+        tmp_path, monkeypatch):
+    from edgepfl.engine.simulation import resume_run, start_run
+    from edgepfl.io import read_json, write_json
+
+    np.savez(tmp_path / "d.npz", x=id_images(60), y=np.random.default_rng(0).integers(0, 3, 60))
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    start_run(run_config("d.npz", "model.name=mlp", "partition.clients=3",
+                         "partition.scheme=iid"), run, progress=False)
+    old = read_json(run / "config.json")
+    old["dataset"]["path"] = "d.npz"  # as a run from before absolute paths stored it
+    write_json(run / "config.json", old)
+    monkeypatch.chdir(run)
+    given = ["train.rounds=2", f"dataset.path={tmp_path / 'd.npz'}"]
+    assert len(resume_run(run, overrides=given, progress=False).metrics) == 2
+    assert read_json(run / "config.json")["dataset"]["path"] == str(tmp_path / "d.npz")

@@ -51,7 +51,7 @@ class DatasetConfig(_Section):
     download: bool = Field(True, description="try to download missing files (md5-checked)")
     path: str | None = Field(
         None, description="npz, imagefolder, hf: the .npz file or the folder to read (relative "
-        "to the working directory)")
+        "to the working directory; a run's config.json stores it absolute)")
     test_fraction: float = Field(
         0.2, gt=0, lt=1, description="npz, imagefolder, hf without a test split of their own: "
         "the share of the samples held out for testing (of each client's with client ids, "
@@ -385,6 +385,51 @@ class PrivacyConfig(_Section):
         "added: edge = at each edge, which sees its clients' clipped updates (each client "
         "trusts its edge); cloud is refused (an edge would hand its clients an un-noised "
         "average for topology.edge_rounds rounds)")
+
+    @model_validator(mode="after")
+    def _acting(self) -> PrivacyConfig:
+        _check_privacy(self)
+        return self
+
+
+# noise (noise_multiplier x clip, the std on every weight of a noised sum) beyond this
+# drowns any model, and epsilon is 0.0 to every printed digit
+MAX_NOISE = 1e6
+# below this the pld accountant's privacy loss distribution (its size grows as 1/noise^2)
+# takes seconds to minutes per epsilon (1e-6: petabytes), for an epsilon of 10 or more a step
+PLD_MIN_NOISE = 0.3
+
+
+def _check_privacy(p: PrivacyConfig) -> None:
+    """privacy.* settings given without privacy.level, noise that drowns any model, and
+    noise too small for the pld accountant are refused (ValueError)."""
+    unused = sorted(k for k in p.model_fields_set if k != "level")
+    if unused and "level" not in p.model_fields_set:
+        raise ValueError(f"{', '.join('privacy.' + k for k in unused)} given without "
+                         "privacy.level, which is 'none' (no noise, nothing accounted): add "
+                         "privacy.level = 'client' or 'sample' for them to act, or leave "
+                         "them out")
+    if p.level == "none":
+        return
+    if p.noise_multiplier > MAX_NOISE:
+        raise ValueError(f"privacy.noise_multiplier = {p.noise_multiplier:g}: beyond "
+                         f"{MAX_NOISE:g} epsilon is already 0.0 and the noise drowns any "
+                         f"model; give a value from 0 to {MAX_NOISE:g}")
+    if p.noise_multiplier * p.clip > MAX_NOISE:
+        raise ValueError(f"privacy.noise_multiplier x privacy.clip = "
+                         f"{p.noise_multiplier * p.clip:g} is the noise's standard deviation "
+                         f"on every weight of a noised sum: beyond {MAX_NOISE:g} it drowns "
+                         "any model (and overflows float32 in training); lower privacy.clip "
+                         "or privacy.noise_multiplier")
+    if p.level == "sample" and p.accountant == "pld" and 0 < p.noise_multiplier < PLD_MIN_NOISE:
+        fix = ("" if p.relation == "replace_one"
+               else ", or privacy.accountant = 'rdp', which accounts any noise quickly")
+        raise ValueError(f"privacy.noise_multiplier = {p.noise_multiplier:g} is below "
+                         f"{PLD_MIN_NOISE:g}, the least the pld accountant takes: its privacy "
+                         "loss distribution grows as 1 / noise^2 (seconds to minutes per "
+                         "epsilon at 0.1, petabytes at 1e-6) and one step alone spends an "
+                         f"epsilon of 10 or more; raise privacy.noise_multiplier to "
+                         f"{PLD_MIN_NOISE:g} or more{fix}")
 
 
 class AlgorithmConfig(BaseModel):

@@ -373,6 +373,35 @@ def load_checkpoint(path: Path, rounds: Rounds, runtime: str = "simulation",
 
 
 # -- which runs are the same run ----------------------------------------------------------
+def absolute_data_path(cfg: Config) -> Config:
+    """``cfg`` with ``dataset.path`` absolute: a relative one is read from the working
+    directory, and a run's config.json names the files wherever it is resumed from."""
+    path = cfg.dataset.path
+    if path is None:
+        return cfg
+    absolute = str(Path(path).expanduser().absolute())
+    if absolute == path:
+        return cfg
+    return cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"path": absolute})})
+
+
+def data_path_as_run(stored: dict, given: str | None) -> str | None:
+    """The ``dataset.path`` a resume given ``given`` (absolute) goes on with, where it
+    names the run's files: the run's own where both name the same files; ``given`` where
+    the run's is relative (from before config.json held absolute paths, read from the
+    working directory) and finds nothing from here, so that the clients' sample and class
+    counts (partition.json, ``Simulation.load_checkpoint``) are the check. None: a change."""
+    data = stored.get("dataset")
+    was = data.get("path") if isinstance(data, dict) else None
+    if not isinstance(was, str) or given is None:
+        return None
+    here = Path(was).expanduser()
+    if str(here.absolute()) == given or (here.exists() and Path(given).exists()
+                                         and os.path.samefile(here, given)):
+        return was
+    return given if not here.is_absolute() and not here.exists() else None
+
+
 def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
     """Every dotted key whose value differs between two configurations, as
     ``key: run has A, given B``."""

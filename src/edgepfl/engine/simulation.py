@@ -44,9 +44,11 @@ from edgepfl.engine.rounds import Rounds
 from edgepfl.engine.rundir import (
     CHECKPOINT,
     Hook,
+    absolute_data_path,
     claim_new_run,
     comparable,
     config_diff,
+    data_path_as_run,
     default_run_dir,
     execution_changes,
     load_checkpoint,
@@ -518,7 +520,7 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
     from edgepfl.engine.trackers import check_trackers
 
     cfg, dataset = natural_clients(cfg, kwargs.pop("dataset", None))
-    cfg = resolve(cfg)
+    cfg = absolute_data_path(resolve(cfg))  # config.json names the files from anywhere
     out = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
     check_trackers(cfg, out)
     with run_dir_lock(out):  # a run in progress there is refused as such, first
@@ -576,8 +578,13 @@ def _resume_run(run_dir: Path, cfg: Config | None, progress: bool | None,
         cfg = build_config(stored, overrides)
     run_cfg = build_config(stored)
     if cfg is not None:
-        given = resolve(cfg).model_dump()
-        diff = config_diff(comparable(stored), comparable(given))
+        given = absolute_data_path(resolve(cfg)).model_dump()
+        path = data_path_as_run(stored, given["dataset"]["path"])
+        if path is not None:  # the run's files: one path on both sides
+            given["dataset"]["path"] = path
+        compared = stored if path is None else {
+            **stored, "dataset": {**stored["dataset"], "path": path}}
+        diff = config_diff(comparable(compared), comparable(given))
         if diff:
             raise ConfigError(f"cannot resume {run_dir} with a different configuration:\n  "
                               + "\n  ".join(diff))
@@ -600,7 +607,8 @@ def _resume_run(run_dir: Path, cfg: Config | None, progress: bool | None,
     if ckpt.exists():
         sim.load_checkpoint(ckpt)
     # only once the checkpoint has loaded: a refused resume leaves the run as it was
-    if execution_changes(stored, run_cfg.model_dump()):
+    if (execution_changes(stored, run_cfg.model_dump())
+            or run_cfg.dataset.path != stored["dataset"].get("path")):
         write_json(run_dir / "config.json", run_cfg.model_dump())
     if run_cfg.train.rounds != stored["train"]["rounds"]:
         # the old summary goes, so that an interrupted extension does not look finished
