@@ -370,6 +370,52 @@ def test_ctrl_c_names_the_run_directory_to_resume(tmp_path, monkeypatch):
     assert res.exit_code == 130 and "--resume runs/fedavg-synthetic-" in res.output
 
 
+def test_ctrl_c_before_the_run_has_a_directory_names_no_placeholder(monkeypatch):
+    from click.testing import CliRunner
+
+    import edgepfl.engine.rundir as rundir
+    from edgepfl.cli import main
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rundir, "default_run_dir", interrupted)
+    res = CliRunner().invoke(main, ["run", *FAST, "--quiet"])
+    assert res.exit_code == 130
+    assert "RUN_DIR" not in res.output and "no run was started" in res.output
+
+
+def test_an_early_stop_gives_its_reason_once(tmp_path, caplog):
+    import logging
+
+    from click.testing import CliRunner
+
+    from edgepfl.cli import main
+
+    caplog.set_level(logging.INFO, logger="edgepfl")  # the log the terminal shows
+
+    res = CliRunner().invoke(main, ["run", *FAST, "--set", "train.rounds=20", "--set",
+                                    "train.early_stopping=1", "--set", "train.lr=0.00001",
+                                    "--out", str(tmp_path / "run"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["stopped_round"] < 20
+    said = res.output + caplog.text
+    assert said.count(summary["stop_reason"]) == 1, said
+    assert f"stopped early after round {summary['stopped_round']} of 20" in res.output
+
+
+def test_output_trackers_as_one_string_is_a_list_of_one():
+    from edgepfl.config import build_config
+
+    assert build_config({"output": {"trackers": "tensorboard"}}).output.trackers == ["tensorboard"]
+    assert fast_config("output.trackers=tensorboard").output.trackers == ["tensorboard"]
+    assert fast_config("output.trackers=tensorboard, mlflow").output.trackers == [
+        "tensorboard", "mlflow"]
+    with pytest.raises(ConfigError, match="unknown tracker 'tensorbord'"):
+        fast_config("output.trackers=tensorbord")
+
+
 def test_a_privacy_budget_stop_is_said_once_and_a_live_line_takes_it(caplog):
     import logging
 
@@ -563,8 +609,8 @@ def test_tune_refuses_study_and_out_naming_two_folders(tmp_path):
 def test_privacy_settings_without_a_level_are_warned_of(caplog):
     from edgepfl.engine.simulation import Simulation
 
-    Simulation(fast_config("privacy.noise_multiplier=2.0", "privacy.target_epsilon=3.0"),
-               progress=False)
+    Simulation(fast_config("privacy.level=none", "privacy.noise_multiplier=2.0",
+                           "privacy.target_epsilon=3.0"), progress=False)
     assert ("privacy.noise_multiplier, privacy.target_epsilon are set but privacy.level = "
             "'none': no noise is added") in caplog.text
     caplog.clear()

@@ -48,8 +48,9 @@ _RUN_DIR: dict[str, Path] = {}
 def _how_to_resume(run_dir: Path | None) -> str:
     if run_dir is not None and not (run_dir / "config.json").exists():
         return "nothing of the run was kept: the same command starts it again"
-    return ("the last checkpoint is intact (continue with edgepfl run --resume "
-            f"{run_dir if run_dir is not None else 'RUN_DIR'})")
+    if run_dir is None:  # stopped before the run had a directory
+        return "no run was started: the same command starts it"
+    return f"the last checkpoint is intact (continue with edgepfl run --resume {run_dir})"
 
 
 def _progress_flag(quiet: bool) -> bool | None:
@@ -124,8 +125,10 @@ def _print_summary(summary: dict, out: Path | None) -> None:
                    "test loss is not finite (its training diverged): counted in the accuracy, "
                    "left out of the loss")
     if summary.get("stopped_early"):
+        # the reason was logged when the run stopped: said once, not again here
         click.echo(f"  stopped early after round {summary['stopped_round']} of "
-                   f"{summary['rounds_planned']}: {summary['stop_reason']}")
+                   f"{summary['rounds_planned']} (why: logged above, and summary.json's "
+                   "stop_reason)")
     if summary.get("edges"):
         click.echo(
             f"  {summary['edges']} edges, {summary['edge_rounds']} edge rounds per cloud round: "

@@ -106,12 +106,11 @@ class RoundProgress:
         if stop is None:
             return
         if "best_round" in stop:  # a privacy budget's stop was logged where it was decided
-            log.info("stopped early after round %d: %s", stop["round"], stop["reason"])
-        if self._progress is not None:
-            # a privacy budget's stop has no best round (schedule.early_stop's has)
-            why = (f"no gain since round {stop['best_round']}" if "best_round" in stop
-                   else f"after round {stop['round']}")
-            self._progress.update(self._task, total=stop["round"], info=f"stopped early: {why}")
+            log.info("%s: stopped early after round %d: %s", self.label, stop["round"],
+                     stop["reason"])
+        if self._progress is not None:  # the reason is the log's: said once
+            self._progress.update(self._task, total=stop["round"],
+                                  info=f"stopped early after round {stop['round']}")
 
     def close(self) -> None:
         if self._progress is not None:
