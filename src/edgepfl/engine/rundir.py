@@ -476,11 +476,11 @@ def load_run_plugins(stored: dict, where: Path | str = "the run", *,
     unknown = [] if trust else not_trusted(plugins, trusted)
     if unknown:
         raise ConfigError(
-            f"{where} names plug-ins that resuming it would import, that is run as code: "
+            f"{where} names plug-ins that resuming would import, running their code: "
             + ", ".join(repr(p) for p in unknown)
-            + "\nnone was imported. If you trust them (read them first: a run directory from "
-            "someone else can hold any code), resume with --trust-plugins (edgepfl run), or "
-            "name each with --plugin")
+            + "\nnothing was imported. If you trust them (read them first: a run directory "
+            "from someone else can hold any code), resume with --trust-plugins (edgepfl run), "
+            "or give each with --plugin")
     load_plugins(plugins)
 
 
