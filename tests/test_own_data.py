@@ -90,6 +90,10 @@ def test_natural_split_takes_the_datas_count_unless_one_is_given(tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["partition"]["clients"] == 6
+    # compare builds its runs from the configuration's dump: the count is taken first
+    cmp = CliRunner().invoke(main, ["compare", "--algorithms", "fedavg", "--seeds", "0",
+                                    "--out", str(tmp_path / "cmp"), *args[4:]])
+    assert cmp.exit_code == 0, cmp.output
     with pytest.raises(ConfigError, match="has 6 clients .* but partition.clients = 4"):
         Simulation(run_config(tmp_path / "d.npz", "partition.scheme=natural",
                               "partition.clients=4"), progress=False)

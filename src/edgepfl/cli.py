@@ -81,6 +81,15 @@ def _with_plugins(cfg, plugins: tuple[str, ...]):
     return cfg if merged == cfg.plugins else cfg.model_copy(update={"plugins": merged})
 
 
+def _counted(cfg):
+    """``cfg`` with a natural split's count of clients from the data when not given: the
+    runs of compare, sweep and tune are built from its dump, where every setting counts as
+    given (``engine.parts.natural_clients``)."""
+    from edgepfl.engine.parts import natural_clients
+
+    return natural_clients(cfg)[0]
+
+
 class _Threads(click.ParamType):
     name = "N|auto"
 
@@ -295,7 +304,7 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
     from edgepfl.config import config_from_sources
     from edgepfl.report.compare import compare as run_compare
 
-    cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
+    cfg = _counted(_with_plugins(config_from_sources(config, list(overrides)), plugins))
     names = _csv_list(algorithms, str, "--algorithms")
     for name in names:
         get_algorithm(name)
@@ -345,7 +354,7 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
     from edgepfl.report.sweep import sweep as run_sweep
 
     axes = parse_grid(grid, overrides)
-    cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
+    cfg = _counted(_with_plugins(config_from_sources(config, list(overrides)), plugins))
     seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
     out = out or Path("runs") / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_sweep(cfg, axes, seed_list, out, progress=_progress_flag(quiet), echo=click.echo,
@@ -406,7 +415,7 @@ def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str,
     from edgepfl.report.tune import study_location
     from edgepfl.report.tune import tune as run_tune
 
-    cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
+    cfg = _counted(_with_plugins(config_from_sources(config, list(overrides)), plugins))
     get_algorithm(algorithm)
     folder, _ = study_location(study, algorithm)
     fixed = [o.partition("=")[0].strip() for o in overrides]
