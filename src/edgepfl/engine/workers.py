@@ -8,6 +8,10 @@ message and its state go out, its new state, its reply and the FLOPs it ran come
 Seeds are derived from (run seed, step, client) as in the sequential loop, so a client
 draws the same batches wherever it runs and the metrics are the sequential run's.
 
+With ``faults.client_timeout`` the workers are a ``TimedPool``: one pipe per worker, so
+the worker still busy with a client step when its time is up is known, killed and
+replaced by a fresh fork, and the step becomes a failed client (``InProcess._timed_out``).
+
 The module-level ``_job`` is how a forked worker finds the transport: a fork copies the
 parent's memory, so the object set here before the pool starts is the workers' too.
 """
@@ -17,8 +21,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 import weakref
-from multiprocessing import connection
 from collections.abc import Callable, Iterable, Iterator
+from multiprocessing import connection
 from typing import Any
 
 import torch
