@@ -221,6 +221,17 @@ def test_a_client_past_client_timeout_fails_its_round_and_its_worker_is_replaced
     assert reasons == {2: "no reply: its step ran past faults.client_timeout = 3 s"}
 
 
+def test_a_time_limit_nobody_reaches_gives_the_sequential_runs_figures():
+    seq = Simulation(config("fedavg"), progress=False)
+    seq.run()
+    timed = Simulation(config("fedavg", "train.workers=2", "faults.client_timeout=600"),
+                       progress=False)
+    timed.run()
+    assert without_wall(timed.metrics) == without_wall(seq.metrics)
+    a, b = seq.clients.state_dict("c/"), timed.clients.state_dict("c/")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_client_timeout_without_worker_processes_is_refused_at_set_up():
     for setting in ("train.workers=1", "train.batch_clients=true"):
         with pytest.raises(ConfigError, match="faults.client_timeout = 3 .* needs "
