@@ -637,7 +637,7 @@ def test_a_one_class_data_set_and_clients_without_test_data_are_warned_of(tmp_pa
                             "partition.scheme=natural", "partition.clients=3",
                             "model.name=mlp", "train.rounds=1", "output.plots=false"])
     Simulation(cfg, progress=False)
-    assert "1 of 3 clients have no test samples (clients 2)" in caplog.text
+    assert "1 of 3 clients have no test samples (clients cy)" in caplog.text
     assert "the training data holds 1 class: every prediction is right" in caplog.text
 
 

@@ -291,19 +291,51 @@ class InProcess(Transport):
                                     self.train_data[cid], self.test_data[cid], self.val_data[cid])
 
 
-def _warn_of_silent_figures(dataset: Dataset, test_sizes: np.ndarray) -> None:
-    """Say at set-up what the accuracy figures would leave unsaid: clients without test
-    samples (left out of every mean) and a data set of one class (every prediction right)."""
+def _warn_of_silent_figures(dataset: Dataset, partition: Partition, test_sizes: np.ndarray,
+                            fraction: float = 1.0) -> None:
+    """Say at set-up what the accuracy figures would leave unsaid: test samples no client
+    holds, clients without test samples (left out of every mean; none at all is refused)
+    and a data set of one class (every prediction right)."""
+    _warn_of_unheld_tests(dataset, partition)
     empty = [int(c) for c in np.flatnonzero(test_sizes == 0)]
+    shrunk = (f"; dataset.fraction = {fraction:g} kept none of their test samples"
+              if fraction < 1 else "")
+    if empty and len(empty) == len(test_sizes):
+        raise DataError(f"no client has a test sample ({len(dataset.y_test)} in the data set"
+                        f"{shrunk}), so no accuracy could be reported: give test samples of "
+                        "the classes the clients train on, or a larger dataset.fraction")
     if empty:
-        log.warning("%d of %d clients have no test samples (clients %s%s): they are left out "
+        names = [dataset.clients[c] if c < len(dataset.clients) else str(c) for c in empty]
+        log.warning("%d of %d clients have no test samples (clients %s%s%s): they are left out "
                     "of every accuracy figure, whose means are over the other clients",
-                    len(empty), len(test_sizes), ", ".join(map(str, empty[:8])),
-                    ", ..." if len(empty) > 8 else "")
+                    len(empty), len(test_sizes), ", ".join(names[:8]),
+                    ", ..." if len(empty) > 8 else "", shrunk)
     classes = torch.unique(torch.as_tensor(dataset.y_train)).numel()
     if classes < 2:
         log.warning("the training data holds %d class: every prediction is right, so its "
                     "accuracy (100%%) says nothing of the model", classes)
+
+
+def _warn_of_unheld_tests(dataset: Dataset, partition: Partition) -> None:
+    """Test samples the partition gave no client (those of a class without training
+    samples: no client's share of it) are scored nowhere: say how many, and of which
+    classes."""
+    y_test = torch.as_tensor(dataset.y_test)
+    unheld = torch.ones(y_test.numel(), dtype=torch.bool)
+    for idx in partition.test:
+        unheld[idx] = False
+    if not bool(unheld.any()):
+        return
+    counts = np.bincount(y_test[unheld].numpy(), minlength=partition.num_classes)
+    trained = np.bincount(torch.as_tensor(dataset.y_train).numpy(),
+                          minlength=partition.num_classes)
+    listed = [f"{dataset.classes[c] if c < len(dataset.classes) else c} ({int(counts[c])}"
+              f"{', never in training' if trained[c] == 0 else ''})"
+              for c in np.flatnonzero(counts)]
+    log.warning("%d of %d test samples are in no client's test data and are scored nowhere "
+                "(by class: %s%s): a client is given test samples of the classes it trains on",
+                int(unheld.sum()), y_test.numel(), ", ".join(listed[:8]),
+                ", ..." if len(listed) > 8 else "")
 
 
 def _client_timeout(cfg: Config, workers: int) -> float | None:
@@ -353,7 +385,8 @@ class Simulation:
         self.test_data = [v.test for v in views]
         self.val_data = [v.val for v in views]
         self.test_sizes = np.array([sample_count(test) for test in self.test_data])
-        _warn_of_silent_figures(self.dataset, self.test_sizes)
+        _warn_of_silent_figures(self.dataset, self.partition, self.test_sizes,
+                                cfg.dataset.fraction)
         self.system = SystemModel.build(cfg.system, n, cfg.seed, epochs=cfg.train.local_epochs)
         self.flops = FlopMeter(enabled=cfg.system.count_flops, cache=cfg.system.cache_flops)
         self.transport = InProcess(parts, self.train_data, self.test_data, self.flops,
@@ -512,11 +545,12 @@ class Simulation:
 
 
 def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | None = None,
-              label: str | None = None, **kwargs) -> RunResult:
+              label: str | None = None, hooks: Sequence[Hook] = (), **kwargs) -> RunResult:
     """Run a configuration into a fresh run directory (refuses to overwrite a run). The
     directory is held for this process from before its config.json is written to the
     end of the run (``rundir.run_dir_lock``); a run that cannot start (its data missing,
-    a tracker's package not installed) leaves no trace of itself."""
+    a tracker's package not installed) leaves no trace of itself. ``hooks`` are called
+    after every round as ``Simulation.run``'s."""
     from edgepfl.engine.trackers import check_trackers
 
     cfg, dataset = natural_clients(cfg, kwargs.pop("dataset", None))
@@ -533,7 +567,7 @@ def start_run(cfg: Config, out_dir: str | Path | None = None, progress: bool | N
             # with the lock if this call made it and nothing else is in it)
             (out / "config.json").unlink(missing_ok=True)
             raise
-        return sim.run(label=label)
+        return sim.run(hooks, label=label)
 
 
 def resume_run(run_dir: str | Path, cfg: Config | None = None,
