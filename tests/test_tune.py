@@ -339,3 +339,28 @@ def test_the_median_pruner_never_judges_the_first_quarter_of_the_rounds():
         behind.report(0.0, step)  # far behind from the first round
         judged = bool(pruner.prune(study, study.trials[-1]))
         assert judged == (step > 2), step  # rounds 1-2 are the first quarter of 8
+
+
+def test_a_trial_folder_claimed_meanwhile_is_refused_and_left_alone(tmp_path, monkeypatch):
+    """A trial's folder is claimed as edgepfl run claims its --out (locked, config.json
+    created exclusively): where another process (a worker, a shell) claims it while this
+    one sets the trial up, the trial fails with the reason and writes nothing there."""
+    import edgepfl.report.runs as runs
+
+    study, trial = tmp_path / "study", tmp_path / "study" / "trial-0000"
+    real = runs.federation_of
+
+    def federation_of(cfg):  # the trial's set-up: the other process claims the folder
+        if study.exists():
+            trial.mkdir(exist_ok=True)
+            (trial / "config.json").write_text('{"theirs": 1}')
+        return real(cfg)
+
+    monkeypatch.setattr(runs, "federation_of", federation_of)
+    res = invoke("tune", "--algorithm", "fedavg", "--trials", "1", *FAST, *VALIDATION,
+                 "--study", str(study), "--no-prune")
+    assert "trial 0 failed" in res.output and "already holds a run" in res.output, res.output
+    [row] = rows(study / "tune.csv")
+    assert row["state"] == "failed" and "already holds a run" in row["error"]
+    assert sorted(p.name for p in trial.iterdir()) == ["config.json"]
+    assert (trial / "config.json").read_text() == '{"theirs": 1}'

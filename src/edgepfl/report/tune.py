@@ -289,7 +289,7 @@ def _run_trial(study, trial, params: dict, base: dict, folder: Path,
     optuna = _optuna()
     from optuna.trial import TrialState
 
-    from edgepfl.engine.simulation import Simulation, resolve
+    from edgepfl.engine.simulation import resolve, start_run
     from edgepfl.report.runs import federation_of
 
     name = f"trial-{trial.number:04d}"
@@ -305,8 +305,9 @@ def _run_trial(study, trial, params: dict, base: dict, folder: Path,
         if (run_dir / "config.json").exists():
             raise EdgepflError(f"{run_dir} already holds a run, not one of this study's trials; "
                                "choose another --study")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        result = Simulation(cfg, run_dir, progress=progress, **federation_of(cfg)).run([hook])
+        # as edgepfl run: the folder locked and its config.json created exclusively, so
+        # that another process writing there (a worker, a shell) is refused, not mixed in
+        result = start_run(cfg, run_dir, progress=progress, hooks=[hook], **federation_of(cfg))
     except optuna.TrialPruned:
         trial.set_user_attr("rounds", hook.round)
         study.tell(trial, state=TrialState.PRUNED)
