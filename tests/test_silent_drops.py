@@ -91,3 +91,16 @@ def test_clients_a_fraction_leaves_without_test_data_are_named(tmp_path, caplog)
                            "dataset.fraction=0.3"), progress=False)
     assert ("3 of 8 clients have no test samples (clients site2, site3, site6; "
             "dataset.fraction = 0.3 kept none of their test samples)") in caplog.text
+
+
+def test_a_summary_without_a_scored_round_says_why(capsys):
+    from edgepfl.cli import _print_summary
+
+    summary = {"algorithm": "fedavg", "dataset": "npz", "clients": 3, "rounds": 1,
+               "acc_mean_best": None, "best_round": None, "acc_mean_final": None,
+               "acc_std_final": None, "acc_min_final": None, "bytes_up_total": 0,
+               "bytes_down_total": 0, "wall_time_s": 0.0}
+    _print_summary(summary, None)
+    out = capsys.readouterr().out
+    assert "round None" not in out
+    assert "best mean acc - (no round scored a test sample: no client holds one)" in out

@@ -122,10 +122,12 @@ THREADS_HELP = ("torch CPU threads, the setting train.threads (default auto: 1 f
 def _print_summary(summary: dict, out: Path | None) -> None:
     def pct(v):
         return "-" if v is None else f"{100 * v:.2f}%"
+    best = (f"round {summary['best_round']}" if summary['best_round'] is not None else
+            "no round scored a test sample: no client holds one")
     click.echo(
         f"{summary['algorithm']} on {summary['dataset']} ({summary['clients']} clients, "
         f"{summary['rounds']} rounds): best mean acc {pct(summary['acc_mean_best'])} "
-        f"(round {summary['best_round']}), final {pct(summary['acc_mean_final'])} "
+        f"({best}), final {pct(summary['acc_mean_final'])} "
         f"± {pct(summary['acc_std_final'])} across clients, worst client "
         f"{pct(summary['acc_min_final'])}; {summary['bytes_up_total'] / 1e6:.2f} MB up, "
         f"{summary['bytes_down_total'] / 1e6:.2f} MB down, {summary['wall_time_s']:.1f} s")
