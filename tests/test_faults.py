@@ -251,6 +251,9 @@ def test_a_worker_that_hangs_is_replaced_and_the_others_keep_their_work():
         assert first[0] != os.getpid()
         again = list(pool.map([0, 0]))  # the replaced worker serves as the others do
         assert len(again) == 2 and all(isinstance(r, int) for r in again)
+        with pytest.raises(ValueError, match="negative"):  # a task's error is the caller's
+            pool.map([0, -1])
+        assert len(list(pool.map([0, 0, 0]))) == 3  # fresh workers after it
     finally:
         pool.close()
 

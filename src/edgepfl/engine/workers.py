@@ -19,6 +19,7 @@ parent's memory, so the object set here before the pool starts is the workers' t
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -89,8 +90,10 @@ def _stop(pool: Any) -> None:
 
 def _serve(conn: Any) -> None:
     """A ``TimedPool`` worker: tasks in on ``conn``, ``("done", result)`` or
-    ``("raised", exception)`` out, until ``None`` or the pipe closes."""
+    ``("raised", exception)`` out, until ``None`` or the pipe closes. Ctrl-C is the
+    parent's to handle: it stops the workers."""
     _start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
             task = conn.recv()
@@ -102,7 +105,11 @@ def _serve(conn: Any) -> None:
             out: tuple = ("done", _run(task))
         except Exception as exc:  # noqa: BLE001 - raised again in the parent
             out = ("raised", exc)
-        conn.send(out)
+        try:
+            conn.send(out)
+        except Exception as exc:  # noqa: BLE001 - a result or exception that cannot pickle
+            conn.send(("raised", RuntimeError(f"a worker's result could not be sent back: "
+                                              f"{type(exc).__name__}: {exc}")))
 
 
 class _Worker:
