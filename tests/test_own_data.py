@@ -475,17 +475,16 @@ def test_a_relative_dataset_path_is_stored_absolute_and_resumes_from_anywhere(tm
 
 def test_a_runs_old_relative_dataset_path_takes_a_given_one_from_another_folder(
         tmp_path, monkeypatch):
-    from edgepfl.engine.simulation import resume_run, start_run
-    from edgepfl.io import read_json, write_json
+    from edgepfl.engine.simulation import resume_run
+    from edgepfl.io import read_json
 
     np.savez(tmp_path / "d.npz", x=id_images(60), y=np.random.default_rng(0).integers(0, 3, 60))
     run = tmp_path / "run"
     monkeypatch.chdir(tmp_path)
-    start_run(run_config("d.npz", "model.name=mlp", "partition.clients=3",
-                         "partition.scheme=iid"), run, progress=False)
-    old = read_json(run / "config.json")
-    old["dataset"]["path"] = "d.npz"  # as a run from before absolute paths stored it
-    write_json(run / "config.json", old)
+    # as a run from before config.json held absolute paths: relative there and in its checkpoint
+    Simulation(run_config("d.npz", "model.name=mlp", "partition.clients=3",
+                          "partition.scheme=iid"), run, progress=False).run()
+    assert read_json(run / "config.json")["dataset"]["path"] == "d.npz"
     monkeypatch.chdir(run)
     given = ["train.rounds=2", f"dataset.path={tmp_path / 'd.npz'}"]
     assert len(resume_run(run, overrides=given, progress=False).metrics) == 2

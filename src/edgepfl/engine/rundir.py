@@ -353,7 +353,7 @@ def load_checkpoint(path: Path, rounds: Rounds, runtime: str = "simulation",
         raise EdgepflError(f"{path} is not a valid edgepfl checkpoint: its metadata is "
                            f"malformed (config is {type(config).__name__}, not an object)")
     # train.rounds may have grown (an extended run): nothing in a round depends on it
-    diff = config_diff(comparable(config), comparable(cfg.model_dump()))
+    diff = config_diff(comparable(_with_run_path(config, cfg)), comparable(cfg.model_dump()))
     if diff:
         raise EdgepflError(f"{path} belongs to a different configuration than this "
                            "run's:\n  " + "\n  ".join(diff))
@@ -383,6 +383,17 @@ def absolute_data_path(cfg: Config) -> Config:
     if absolute == path:
         return cfg
     return cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"path": absolute})})
+
+
+def _with_run_path(config: dict, cfg: Config) -> dict:
+    """A checkpoint's configuration with the run's ``dataset.path`` where the checkpoint's
+    is relative (a run from before config.json held absolute paths), which a resume from
+    another folder has replaced (``data_path_as_run``); partition.json checks the data."""
+    data = config.get("dataset")
+    was = data.get("path") if isinstance(data, dict) else None
+    if not isinstance(was, str) or Path(was).expanduser().is_absolute():
+        return config
+    return {**config, "dataset": {**data, "path": cfg.dataset.path}}
 
 
 def data_path_as_run(stored: dict, given: str | None) -> str | None:
