@@ -19,6 +19,7 @@ from pathlib import Path
 
 from edgepfl.algorithms import ALGORITHMS
 from edgepfl.algorithms.base import Algorithm
+from edgepfl.registered import origin
 
 BEGIN = "<!-- supports table: written by python -m edgepfl.report.algorithm_table -->"
 END = "<!-- end of supports table -->"
@@ -37,8 +38,9 @@ def _row(algo: Algorithm) -> str:
 
 
 def supports_table(algorithms: dict[str, Algorithm] | None = None) -> str:
-    """The table, one row per registered algorithm in name order."""
-    algos = ALGORITHMS if algorithms is None else algorithms
+    """The table, one row per algorithm edgepfl ships (not a plug-in's) in name order."""
+    algos = ({n: a for n, a in ALGORITHMS.items() if origin("algorithm", n) is None}
+             if algorithms is None else algorithms)
     head = ["| name | paper | several architectures (`model.tiers`) | edges "
             "(`topology.edges`) | DP, client level | DP, sample level | batched clients "
             "(`train.batch_clients`) | new clients (`eval.new_clients`) |",
