@@ -39,7 +39,7 @@ def test_all_layers_global_is_fedavg_exactly():
     assert set(lg.server.global_model) == set(fedavg.server.global_model)
     for k, v in fedavg.server.global_model.items():
         assert torch.equal(lg.server.global_model[k], v), k
-    assert lg.client.local == []
+    assert lg.client.kept == []
 
 
 def test_the_local_representation_never_travels_and_stays_per_client():

@@ -18,6 +18,7 @@ classifier, the split PFLlib and FL-bench use; the paper reports several counts 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -80,51 +81,68 @@ class FedPerServer(FedAvgServer):
         self.global_model = {k: v for k, v in self.global_model.items() if k not in personal}
 
 
-class FedPerClient(Client):
-    batchable = True  # the update is one plain fit: run_update of the two below
+class KeptLayersClient(Client):
+    """A client that keeps some layers of the model on the device (``kept``, in its state
+    under ``prefix``) and federates the others (``shared``): FedPer keeps the head,
+    LG-FedAvg the body. Each round it trains the whole model, the received shared layers
+    under its own kept ones, and sends the shared layers back."""
 
-    def __init__(self, ctx: ClientContext, hp: FedPerHyperparameters):
+    batchable = True  # the update is one plain fit: run_update of the two below
+    prefix = PERSONAL
+    # how its messages name the method and the two parts of the model
+    method, shared_part, kept_part = "FedPer", "base layers", "personalization layers"
+
+    def __init__(self, ctx: ClientContext, hp: Hyperparameters, kept: Sequence[str]):
         super().__init__(ctx, hp)
-        self.personal = personal_names(ctx.layers, hp.personal_layers)
-        personal = set(self.personal)
-        self.base = [n for n in self.trainer.state_names if n not in personal]
+        self.kept = list(kept)
+        own = set(self.kept)
+        self.shared = [n for n in self.trainer.state_names if n not in own]
 
     def init_state(self, cid: int, init_model: State) -> State:
-        # every client's personalization layers start from the one seeded initial model
-        return {PERSONAL + n: init_model[n].clone() for n in self.personal}
+        # every client's kept layers start from the one seeded initial model
+        return {self.prefix + n: init_model[n].clone() for n in self.kept}
 
     def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
                     gen: torch.Generator) -> FitRequest:
-        # the whole model trains from the global base and the client's own head
         return sgd_request(self, self.personal_model(state, msg), data, gen)
 
     def finish(self, cid: int, msg: Message, state: State, data: ClientData,
                trained: State, stats: dict[str, float]) -> UpdateResult:
-        reply = Message({n: trained[n] for n in self.base}, {"num_samples": data.n})
-        kept = {PERSONAL + n: trained[n] for n in self.personal}
+        reply = Message({n: trained[n] for n in self.shared}, {"num_samples": data.n})
+        kept = {self.prefix + n: trained[n] for n in self.kept}
         return UpdateResult(reply, kept, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if eval_msg is None:
-            raise MessageError("FedPer clients need the base layers, but none were given")
-        missing = set(self.base) - set(eval_msg.tensors)
+            raise MessageError(f"{self.method} clients need the {self.shared_part}, but none "
+                               "were given")
+        missing = set(self.shared) - set(eval_msg.tensors)
         if missing:
-            raise MessageError(f"FedPer base layers lack {sorted(missing)}")
-        unexpected = set(eval_msg.tensors) & set(self.personal)
+            raise MessageError(f"{self.method} {self.shared_part} lack {sorted(missing)}")
+        unexpected = set(eval_msg.tensors) & set(self.kept)
         if unexpected:
-            raise MessageError(f"FedPer server sent personalization layers {sorted(unexpected)}")
-        model = {n: eval_msg.tensors[n] for n in self.base}
-        model.update({n: state[PERSONAL + n] for n in self.personal})
+            raise MessageError(f"{self.method} server sent {self.kept_part} "
+                               f"{sorted(unexpected)}")
+        model = {n: eval_msg.tensors[n] for n in self.shared}
+        model.update({n: state[self.prefix + n] for n in self.kept})
         return model
 
     def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
                          epochs: int, gen: torch.Generator) -> list[State]:
-        """A newcomer (FedPer, FedRep): the global base under a personalization head from
-        the initial model, only the head trained for ``epochs`` (the base is what the
-        federation learnt for it; FedRep's new-client protocol)."""
-        head = [n for n in self.personal if n in self.trainer.params]
+        """A newcomer: the received shared layers under kept layers from the initial model,
+        only the kept ones trained for ``epochs`` (the shared layers are what the
+        federation learnt for it: FedRep's new-client protocol, LG-FedAvg's new devices
+        learning their local model against the global one)."""
+        trainable = [n for n in self.kept if n in self.trainer.params]
         return [fine_tuned(self, self.personal_model(state, msg), data, epochs, gen,
-                           head or None)]
+                           trainable or None)]
+
+
+class FedPerClient(KeptLayersClient):
+    def __init__(self, ctx: ClientContext, hp: FedPerHyperparameters):
+        super().__init__(ctx, hp, personal_names(ctx.layers, hp.personal_layers))
+        # FedPer's names for the two parts (W_P, W_B), which FedRep's client reads too
+        self.personal, self.base = self.kept, self.shared
 
 
 ALGORITHM = Algorithm(

@@ -24,29 +24,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-import torch
 from pydantic import Field
 
 from edgepfl.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
     Hyperparameters,
     IntRange,
     PrivacySupport,
     SearchRange,
     ServerContext,
-    State,
-    UpdateResult,
-    fine_tuned,
 )
-from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.fedper import personal_names
-from edgepfl.algorithms.kit import sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.algorithms.fedper import KeptLayersClient, personal_names
 from edgepfl.errors import ConfigError
-from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
 
 LOCAL = "local."  # the client's local representation in its state
@@ -86,52 +77,18 @@ class LGFedAvgServer(FedAvgServer):
         self.global_model = {k: v for k, v in self.global_model.items() if k in shared}
 
 
-class LGFedAvgClient(Client):
-    batchable = True  # the update is one plain fit: run_update of the two below
+class LGFedAvgClient(KeptLayersClient):
+    """FedPer's client with the split turned round: the body is kept, the head shared."""
+
+    prefix = LOCAL
+    method, shared_part, kept_part = "LG-FedAvg", "global layers", "local layers"
 
     def __init__(self, ctx: ClientContext, hp: LGFedAvgHyperparameters):
-        super().__init__(ctx, hp)
+        super().__init__(ctx, hp, kept=())  # the split is taken from the trainer's names
         names = self.trainer.state_names
         shared = set(global_names(ctx.layers, names, hp.global_layers))
+        self.kept = [n for n in names if n not in shared]
         self.shared = [n for n in names if n in shared]
-        self.local = [n for n in names if n not in shared]
-
-    def init_state(self, cid: int, init_model: State) -> State:
-        # every client's local representation starts from the one seeded initial model
-        return {LOCAL + n: init_model[n].clone() for n in self.local}
-
-    def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
-                    gen: torch.Generator) -> FitRequest:
-        # the whole model trains: the client's own body under the received head
-        return sgd_request(self, self.personal_model(state, msg), data, gen)
-
-    def finish(self, cid: int, msg: Message, state: State, data: ClientData,
-               trained: State, stats: dict[str, float]) -> UpdateResult:
-        reply = Message({n: trained[n] for n in self.shared}, {"num_samples": data.n})
-        kept = {LOCAL + n: trained[n] for n in self.local}
-        return UpdateResult(reply, kept, stats)
-
-    def personal_model(self, state: State, eval_msg: Message | None) -> State:
-        if eval_msg is None:
-            raise MessageError("LG-FedAvg clients need the global layers, but none were given")
-        missing = set(self.shared) - set(eval_msg.tensors)
-        if missing:
-            raise MessageError(f"LG-FedAvg global layers lack {sorted(missing)}")
-        unexpected = set(eval_msg.tensors) & set(self.local)
-        if unexpected:
-            raise MessageError(f"LG-FedAvg server sent local layers {sorted(unexpected)}")
-        own = set(self.local)
-        return {n: state[LOCAL + n] if n in own else eval_msg.tensors[n]
-                for n in self.trainer.state_names}
-
-    def new_client_model(self, cid: int, state: State, msg: Message | None, data: ClientData,
-                         epochs: int, gen: torch.Generator) -> list[State]:
-        """A newcomer: a local representation from the initial model trained for
-        ``epochs`` under the global layers, which stay as received (the paper's new
-        devices learn their own local model against the global one)."""
-        local = [n for n in self.local if n in self.trainer.params]
-        return [fine_tuned(self, self.personal_model(state, msg), data, epochs, gen,
-                           local or None)]
 
 
 ALGORITHM = Algorithm(
