@@ -32,6 +32,9 @@ from edgepfl.errors import ConfigError
 from edgepfl.models import build_model
 from tests.conftest import fast_config, without_wall
 
+# every test here compares two computations: run again on AVX2 kernels by make test
+pytestmark = pytest.mark.tolerance
+
 
 def requests(trainer: Trainer, sizes=(37, 50, 64), seed=0, **settings) -> list[FitRequest]:
     """Clients of different sample counts (so their last batches differ in shape), each

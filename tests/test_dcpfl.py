@@ -41,6 +41,7 @@ def test_registered():
         5, 5, 3, 6, 0.2, 5, 3, 0.1)
 
 
+@pytest.mark.tolerance
 def test_discrepancy_symmetric_zero_diagonal_affine_invariant():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(5, 300, generator=gen)
@@ -102,6 +103,7 @@ def test_radius_of_curvature_detector():
     assert all(math.isnan(x) for x in r[:6]) and not math.isnan(r[6])
 
 
+@pytest.mark.tolerance
 def test_smoothing_window_cancels_a_loss_pattern_of_its_own_period():
     # the loss a client reports jumps each time it receives a fresh aggregate (every tau
     # rounds); with the window as long as that period the jump must not reach l' and l'',
@@ -115,6 +117,7 @@ def test_smoothing_window_cancels_a_loss_pattern_of_its_own_period():
         assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6)
 
 
+@pytest.mark.tolerance
 def test_eq6_and_schedule():
     assert low_layers([1.0, 0.05, 2.0, 0.9], 0.1) == [False, True, False, False]
     # against the model's total (3.95) a layer is low below 0.395: here 0.05 and 0.3
@@ -166,6 +169,7 @@ def test_unaggregated_layer_costs_no_bytes():
             assert row["bytes_up"] < 6 * 120
 
 
+@pytest.mark.tolerance
 def test_trial_keeps_new_grouping_only_if_loss_lower():
     sim = Simulation(fast_config(*QUICK, "train.rounds=3"), progress=False)
     for _ in range(2):
@@ -228,6 +232,7 @@ def test_nodc_ablation_keeps_the_cut_at_the_fixed_threshold():
     assert all(r.get("trial_accepted") is None or math.isnan(r["trial_accepted"]) for r in after)
 
 
+@pytest.mark.tolerance
 def test_trial_reaches_clients_whose_group_missed_the_sync_round():
     # with partial participation a group may have no member in the sync round; its
     # members must still get both an old (M0) and a proposed (M1) model in the trial
@@ -270,6 +275,7 @@ def _measured_components(members: list[int], seen: np.ndarray) -> int:
     return pieces
 
 
+@pytest.mark.tolerance
 def test_pairs_never_selected_together_are_not_identical(tmp_path):
     # the audit's case: 8 clients, a quarter of them per round, so 2 per round and 5 of the
     # 28 pairs measured in the 5 warm-up rounds; the rest used to average 0/1 = "identical"
@@ -304,6 +310,7 @@ def test_pairs_never_selected_together_are_not_identical(tmp_path):
     assert rows[-1]["disc_pairs_imputed"] == float((~seen & off).sum() // 2)
 
 
+@pytest.mark.tolerance
 def test_complete_discrepancy_equals_floyd_warshall_over_the_measured_pairs():
     from edgepfl.algorithms.dcpfl import complete_discrepancy
 
@@ -326,6 +333,7 @@ def test_complete_discrepancy_equals_floyd_warshall_over_the_measured_pairs():
         assert np.allclose(complete_discrepancy(d, seen), ref, rtol=1e-12, atol=0)
 
 
+@pytest.mark.tolerance
 def test_complete_discrepancy_chains_measured_pairs():
     from edgepfl.algorithms.dcpfl import complete_discrepancy
 
@@ -375,6 +383,7 @@ def test_tau_that_is_not_a_multiple_of_local_epochs_is_refused():
         Simulation(fast_config("algorithm.name=dcpfl", "train.local_epochs=2"), progress=False)
 
 
+@pytest.mark.tolerance
 def test_discrepancy_without_the_flat_matrix_equals_eq3_and_eq5_on_it():
     """The streamed forms (column chunks over the clients' tensors; one client's layer at a
     time) give Eq. 3's and Eq. 5's values on the [n, dim] matrix."""
@@ -395,6 +404,7 @@ def test_discrepancy_without_the_flat_matrix_equals_eq3_and_eq5_on_it():
     assert math.isclose(layer_discrepancy(flat, g), eq5, rel_tol=1e-12)
 
 
+@pytest.mark.tolerance
 def test_client_reports_the_received_models_loss_and_trains_trial_models_alike():
     from edgepfl.federation.rng import generator
 
@@ -535,6 +545,7 @@ def test_no_layer_is_low_when_the_clients_disagree_alike_on_every_layer():
     assert srv._layers_low() == 0
 
 
+@pytest.mark.tolerance
 def test_layers_low_is_reported_and_purity_follows_the_primary_classes(tmp_path):
     history = [(0, 1.0, [0, 0, 0, 0]), (7, 0.8, [0, 0, 1, 1])]
     counts = [[9, 1, 0], [8, 0, 2], [1, 9, 0], [0, 1, 9]]

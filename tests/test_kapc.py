@@ -86,6 +86,7 @@ def _server(num_clients=4, bls=False, **hp):
 
 
 # -- the relation cube -------------------------------------------------------------------
+@pytest.mark.tolerance
 def test_projection_lands_on_the_simplex_and_is_the_nearest_point():
     g = torch.Generator().manual_seed(0)
     v = torch.randn(50, 7, generator=g, dtype=torch.float64) * 3
@@ -106,6 +107,7 @@ def test_projection_lands_on_the_simplex_and_is_the_nearest_point():
         torch.testing.assert_close(shifts, shifts[0].expand_as(shifts))
 
 
+@pytest.mark.tolerance
 @pytest.mark.parametrize("loss", ["squared", "l2"])
 def test_closed_form_relation_gradient_equals_autograd(loss):
     g = torch.Generator().manual_seed(0)
@@ -122,6 +124,7 @@ def test_closed_form_relation_gradient_equals_autograd(loss):
     torch.testing.assert_close(relation_grad(r.detach(), gram, loss), r.grad)
 
 
+@pytest.mark.tolerance
 @pytest.mark.parametrize("loss", ["squared"])  # coaching_loss=l2 is refused (test below)
 def test_centring_the_gram_changes_the_projected_step_by_nothing(loss):
     g = torch.Generator().manual_seed(2)
@@ -138,6 +141,7 @@ def test_centring_the_gram_changes_the_projected_step_by_nothing(loss):
     torch.testing.assert_close(relation_step(r, raw, hp, n), relation_step(r, centred, hp, n))
 
 
+@pytest.mark.tolerance
 def test_gram_is_chunked_without_changing_it(monkeypatch):
     import edgepfl.algorithms.kapc as kapc
 
@@ -153,6 +157,7 @@ def test_gram_is_chunked_without_changing_it(monkeypatch):
     torch.testing.assert_close(layer_gram(exact), x @ x.T)  # float64 in, float64 exact
 
 
+@pytest.mark.tolerance
 def test_gram_of_float32_models_keeps_the_small_differences_between_clients():
     # large common weights, tiny client differences: the case where float32 products of
     # the raw weights would cancel to noise
@@ -164,6 +169,7 @@ def test_gram_of_float32_models_keeps_the_small_differences_between_clients():
     torch.testing.assert_close(layer_gram([x]), ref @ ref.T, rtol=1e-4, atol=1e-4 * float((ref @ ref.T).abs().max()))
 
 
+@pytest.mark.tolerance
 @pytest.mark.parametrize("participation", [1.0, 0.5])
 def test_every_relation_vector_stays_normalised(participation):
     # a large eta_r drives many entries to exactly zero: the projection has work to do
@@ -177,6 +183,7 @@ def test_every_relation_vector_stays_normalised(participation):
     assert not torch.equal(R, init_relations("random", *R.shape[:2], sim.cfg.seed))
 
 
+@pytest.mark.tolerance
 def test_r_init_choices():
     for kind in ("uniform", "random", "self"):
         R = init_relations(kind, 5, 3, seed=0)
@@ -187,6 +194,7 @@ def test_r_init_choices():
     assert not torch.equal(init_relations("random", 5, 3, 7), init_relations("random", 5, 3, 8))
 
 
+@pytest.mark.tolerance
 def test_regularizer_is_the_relation_weighted_sum_of_uploads():
     server = _server(num_clients=4, r_epochs=0)
     server.R = _random_simplex(4, 2, 4, seed=5)
@@ -218,6 +226,7 @@ def test_one_hot_self_relations_coach_each_client_towards_its_own_model():
         assert all(torch.equal(v, init[p]) for p, v in down[1][cid].items())
 
 
+@pytest.mark.tolerance
 def test_partial_participation_updates_only_the_participants_slice():
     server = _server(num_clients=6, r_lr=0.5, r_epochs=2, r_init="random")
     before = server.R.clone()
@@ -234,6 +243,7 @@ def test_partial_participation_updates_only_the_participants_slice():
     torch.testing.assert_close(server.R.sum(-1), torch.ones(6, 2, dtype=torch.float64))
 
 
+@pytest.mark.tolerance
 def test_hundred_clients_at_ten_percent_touch_a_ten_by_ten_slice():
     sim = _sim("algorithm.name=kapc", "partition.clients=100", "partition.min_size=2",
                "train.participation=0.1", "algorithm.r_lr=0.5", "train.rounds=1")
@@ -314,6 +324,7 @@ def test_client_keeps_its_trained_model_and_uploads_all_of_it():
             assert torch.equal(sim.server.W[p][cid], v)  # the server holds the latest upload
 
 
+@pytest.mark.tolerance
 @pytest.mark.parametrize("loss", ["squared", "l2"])
 def test_coaching_gradient_is_that_of_lambda_f_s(loss):
     from edgepfl.algorithms.kapc import coaching_hook
@@ -365,6 +376,7 @@ def test_plain_norm_opt_in_for_ablations_warns_and_reaches_the_client():
                zip(runs["squared"], runs["l2"], strict=True) for k in a)
 
 
+@pytest.mark.tolerance
 def test_plain_norm_pins_a_layer_whose_gradient_is_below_lambda():
     # why: lambda ||w - s|| pulls with norm lambda at any distance, so a loss gradient of
     # norm 0.3 < lambda = 1 cannot move w away from s (SGD stays within lr * lambda of it),
@@ -445,6 +457,7 @@ def test_bls_with_mu_above_one_and_full_upload_sends_kapc_messages():
     assert torch.equal(kapc.server.R, bls.server.R)
 
 
+@pytest.mark.tolerance
 def test_bls_server_skips_exactly_the_layers_whose_self_relation_reaches_mu():
     server = _server(num_clients=3, bls=True, mu=0.5, r_epochs=0)
     R = torch.full((3, 2, 3), 0.25, dtype=torch.float64)
@@ -602,6 +615,7 @@ def test_bls_uploads_are_layer_prefixes_and_the_server_keeps_stale_layers():
     assert all(1 <= m <= L for m in means)
 
 
+@pytest.mark.tolerance
 def test_first_selection_records_the_layer_norms():
     sim = _sim("algorithm.name=kapc_bls", "train.rounds=1")
     down, _ = _record(sim)
@@ -700,6 +714,7 @@ def test_registered_with_the_papers_defaults_and_typed_choices():
         _sim("algorithm.name=kapc", "algorithm.r_init=zeros")
 
 
+@pytest.mark.tolerance
 @pytest.mark.parametrize("overrides", [
     ("algorithm.r_grad_scale=sum",), ("algorithm.r_grad_scale=spread",),
     ("algorithm.prefix_down=false",), ("algorithm.refresh_every=1",),
@@ -739,6 +754,7 @@ def _raw_step(r, gram, hp, n):
     return relation_step(r, gram, hp.model_copy(update={"r_grad_scale": "sum", "r_epochs": 1}), n)
 
 
+@pytest.mark.tolerance
 def test_preconditioned_steps_reach_the_minimiser_of_the_papers_objective():
     # a different step size per layer, the same objective: where the preconditioned
     # iteration settles, the paper's raw projected gradient step (Eq. 12) does not move
@@ -783,6 +799,7 @@ def test_preconditioned_step_is_stable_when_clients_nearly_agree():
     assert dist[-1] < dist[0]
 
 
+@pytest.mark.tolerance
 def test_server_state_of_another_shape_is_refused_on_load():
     server = _server(num_clients=4)
     tensors, meta = server.save_state()
@@ -869,6 +886,7 @@ def test_bls_client_refuses_server_ages_it_cannot_use():
             sim.client._server_ages(Message({}, bad))
 
 
+@pytest.mark.tolerance
 def test_regularizers_use_the_participants_slice_after_this_rounds_step():
     """Algorithm 5: slice R to the participants, normalise, step it (Eq. 12), and build each
     s_i (Eq. 15/34) and Algorithm 3's self-relation from the stepped slice."""

@@ -13,6 +13,9 @@ from edgepfl.engine.workers import worker_count
 from edgepfl.errors import ConfigError
 from tests.conftest import fast_config, without_wall
 
+# every test here compares two computations: run again on AVX2 kernels by make test
+pytestmark = pytest.mark.tolerance
+
 CASES = {
     "fedavg": [],
     "kapc": ["train.participation=0.5"],
