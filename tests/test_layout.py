@@ -96,7 +96,8 @@ def _runtime_nodes(tree: ast.AST):
 
 def import_graph() -> dict[str, set[str]]:
     """edgepfl module -> the edgepfl modules it imports when it runs, late imports
-    included; ``from package import name`` points at the submodule when there is one."""
+    included; ``from package import name`` points at the package (its ``__init__`` runs)
+    and at the submodule when there is one."""
     modules = {_module_name(p): p for p in _sources()}
     graph = {}
     for name, path in modules.items():
@@ -105,9 +106,9 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 out |= {a.name for a in node.names if a.name in modules}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    out.add(sub if sub in modules else node.module)
+                # the package runs first (its __init__), then a submodule named in it
+                out.add(node.module)
+                out |= {f"{node.module}.{a.name}" for a in node.names} & set(modules)
         graph[name] = {m for m in out if m in modules and m != name}
     return graph
 
@@ -146,6 +147,8 @@ def test_the_import_graph_sees_late_imports_and_the_finder_finds_cycles():
     assert "edgepfl.algorithms" in import_graph()["edgepfl.plugins"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+    # a package's module importing a name from the package is an arrow back to it
+    assert "edgepfl.data" in import_graph()["edgepfl.engine.parts"]
 
 
 def test_no_import_cycle_late_imports_included():

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import edgepfl.data.own as own
 from edgepfl.config import DatasetConfig
 
 # The loaders call the download by this module's name: the one seam tests replace to stay
@@ -194,14 +195,10 @@ def load_dataset(
     if isinstance(fraction, bool) or not (0.0 < share <= 1.0):  # the comparison rejects NaN
         raise ConfigError(f"dataset fraction must be a number in (0, 1], got {fraction!r}")
     if key in OWN_DATASETS:
-        from edgepfl.data import own
-
         raw = own.load(key, own.Source(path, test_fraction, resize, image_column, label_column,
                                        client_column))
         return _finish(raw, share, int(seed))
     if key in PLUGIN_LOADERS:
-        from edgepfl.data import own
-
         where = f"data set {key!r} of plug-in {origin('dataset', key)!r}"
         try:
             arrays = PLUGIN_LOADERS[key](DataSource(resolve_data_root(root),
