@@ -45,6 +45,7 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.devices import host, to_device
 from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.algorithms.kit import received_model
 from edgepfl.algorithms.sgd import fit_stats, sgd_step, sgd_update
 from edgepfl.federation.accounting import counted_once, counter_aside
 from edgepfl.federation.messages import Message, MessageError
@@ -88,10 +89,7 @@ class APFLClient(Client):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         tr, t, hp = self.trainer, self.ctx.train, self.hp
-        missing = [n for n in tr.state_names if n not in msg.tensors]
-        if missing:
-            raise MessageError(f"APFL global model lacks {missing}")
-        tr.load({n: msg.tensors[n] for n in tr.state_names})
+        tr.load(received_model(self, msg, "APFL"))
         model, names = tr.model, tr.param_names
         model.train()
         w = [tr.params[n] for n in names]

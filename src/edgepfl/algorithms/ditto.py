@@ -45,7 +45,7 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import fit, proximal_hook
+from edgepfl.algorithms.kit import fit, proximal_hook, received_model
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 
@@ -104,10 +104,7 @@ class DittoClient(PersonalModelClient):
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:
         tr = self.trainer
-        missing = [n for n in tr.state_names if n not in msg.tensors]
-        if missing:
-            raise MessageError(f"Ditto global model lacks {missing}")
-        w = {n: msg.tensors[n] for n in tr.state_names}
+        w = received_model(self, msg, "Ditto")
         personal_gen = copy_of(gen)  # the same batches as the global training
         # w_k^t: FedAvg's local training from the received global model
         tr.load(w)

@@ -52,7 +52,7 @@ from edgepfl.algorithms.base import (
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.devices import host, to_device
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import sgd_request
+from edgepfl.algorithms.kit import received_model, sgd_request
 from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.errors import ConfigError
 from edgepfl.federation.accounting import counted_once, counter_aside
@@ -135,10 +135,7 @@ class FedALAClient(Client):
         if msg is None:
             raise MessageError("FedALA clients aggregate the global model with their own, but "
                                "no global model was given")
-        missing = [n for n in self.trainer.state_names if n not in msg.tensors]
-        if missing:
-            raise MessageError(f"FedALA global model lacks {missing}")
-        return {n: msg.tensors[n] for n in self.trainer.state_names}
+        return received_model(self, msg, "FedALA")
 
     def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
                     gen: torch.Generator) -> FitRequest:

@@ -44,7 +44,7 @@ from edgepfl.algorithms.base import (
 )
 from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import average_models, proximal_hook, sgd_request
+from edgepfl.algorithms.kit import average_models, proximal_hook, received_model, sgd_request
 from edgepfl.algorithms.pulls import Pull
 from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.errors import ConfigError
@@ -123,15 +123,9 @@ class FedDynClient(Client):
     def init_state(self, cid: int, init_model: State) -> State:
         return {GRAD + n: torch.zeros_like(init_model[n]) for n in self.trainer.param_names}
 
-    def _model(self, msg: Message) -> State:
-        missing = [n for n in self.trainer.state_names if n not in msg.tensors]
-        if missing:
-            raise MessageError(f"FedDyn global model lacks {missing}")
-        return {n: msg.tensors[n] for n in self.trainer.state_names}
-
     def fit_request(self, cid: int, msg: Message, state: State, data: ClientData,
                     gen: torch.Generator) -> FitRequest:
-        model, alpha = self._model(msg), self.hp.alpha
+        model, alpha = received_model(self, msg, "FedDyn"), self.hp.alpha
         hook = None
         if alpha:  # alpha = 0: FedAvg's fit, with no hook at all
             names = self.trainer.param_names
@@ -152,7 +146,7 @@ class FedDynClient(Client):
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
         if eval_msg is None:
             raise MessageError("FedDyn clients predict with the global model, but none was given")
-        return self._model(eval_msg)
+        return received_model(self, eval_msg, "FedDyn")
 
 
 ALGORITHM = Algorithm(

@@ -49,6 +49,7 @@ from edgepfl.algorithms.devices import host, to_device
 from edgepfl.algorithms.features import classifier_module, tap_features
 from edgepfl.algorithms.fedavg import FedAvgServer
 from edgepfl.algorithms.fedper import personal_names
+from edgepfl.algorithms.kit import received_model
 from edgepfl.algorithms.sgd import fit_stats, sgd_step, sgd_update
 from edgepfl.errors import ConfigError
 from edgepfl.federation.accounting import counted_once, counter_aside
@@ -118,10 +119,7 @@ class FedRoDClient(Client):
         if msg is None:
             raise MessageError("FedRoD clients predict with the global model and their head, "
                                "but no global model was given")
-        missing = [n for n in self.trainer.state_names if n not in msg.tensors]
-        if missing:
-            raise MessageError(f"FedRoD global model lacks {missing}")
-        return {n: msg.tensors[n] for n in self.trainer.state_names}
+        return received_model(self, msg, "FedRoD")
 
     def update(self, cid: int, msg: Message, state: State, data: ClientData,
                gen: torch.Generator) -> UpdateResult:

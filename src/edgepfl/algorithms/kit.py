@@ -45,6 +45,16 @@ def sgd_request(client: Client, weights: State, data: ClientData, gen: torch.Gen
                       t.batch_size, t.lr, gen, t.momentum, t.weight_decay, grad_hook)
 
 
+def received_model(client: Client, msg: Message, method: str) -> State:
+    """The whole model (every parameter and buffer of the client's skeleton) from the
+    server's message; a message that lacks an entry is refused naming them."""
+    names = client.trainer.state_names
+    missing = [n for n in names if n not in msg.tensors]
+    if missing:
+        raise MessageError(f"{method} global model lacks {missing}")
+    return {n: msg.tensors[n] for n in names}
+
+
 def proximal_hook(mu: float, anchor: list[torch.Tensor]) -> Pull:
     """Gradient of mu/2 ||w - anchor||^2 added in place."""
     return Pull(mu, anchor)
