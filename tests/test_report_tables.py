@@ -82,6 +82,33 @@ def test_totals_fall_back_to_the_per_round_columns(tmp_path):
     assert table_rows(text, "Accuracy, totals and memory")[0][-2:] == ["n/a", "n/a"]
 
 
+def test_new_client_figures_get_columns_when_a_run_held_clients_out(tmp_path):
+    def held_out(path, algorithm, refused=None):
+        run = make_run(path, algorithm=algorithm)
+        summary = json.loads((run / "summary.json").read_text())
+        summary.update(new_clients=[7, 8], new_clients_refused=refused)
+        if not refused:
+            summary.update(acc_new_mean_best=0.7, acc_new_mean_final=0.65, acc_new_min_final=0.5)
+        (run / "summary.json").write_text(json.dumps(summary))
+        return run
+
+    plain = make_run(tmp_path / "plain")
+    heading = "Accuracy, totals and memory"
+    assert "new clients" not in report_table([plain]).split(f"## {heading}")[1]
+    text = report_table([held_out(tmp_path / "served", "fedavg"), plain,
+                         held_out(tmp_path / "refused", "fedper", refused="no global head")])
+    header = text.split(f"## {heading}")[1].split("\n")[2]
+    assert header.strip("| ").split(" | ")[8:11] == [
+        "new clients best mean acc (%)", "new clients final mean acc (%)",
+        "new clients final worst (%)"]
+    served, without, refused = table_rows(text, heading)
+    assert served[8:11] == ["70.00", "65.00", "50.00"] and served[-1] == "300.0"
+    assert without[8:11] == ["n/a"] * 3 and refused[8:11] == ["n/a"] * 3
+    assert all(len(row) == 15 for row in (served, without, refused))
+    assert "New clients n/a: the method cannot serve a client it never trained: " \
+           "refused (no global head)." in text
+
+
 def test_runs_without_system_costs_show_na(tmp_path):
     old = make_run(tmp_path / "old", costs=False)
     new = make_run(tmp_path / "new", algorithm="kapc")

@@ -184,13 +184,20 @@ def _traffic_table(runs: list[RunRecord], tiered: bool) -> list[str]:
     return lines
 
 
+NEW_CLIENT_HEADERS = ["new clients best mean acc (%)", "new clients final mean acc (%)",
+                      "new clients final worst (%)"]
+
+
 def _totals_table(runs: list[RunRecord]) -> list[str]:
+    # the held-out clients' figures (eval.new_clients), when any run held clients out
+    new = any(run.summary.get("new_clients") for run in runs)
     lines = ["## Accuracy, totals and memory", "",
              _row(["run", "algorithm", "dataset", "rounds", "best mean acc (%)",
                    "final mean acc (%)", "final std across clients (%)",
-                   "final worst client (%)", "simulated time (s)", "MB up + down",
-                   "server state (MB)", "peak RSS (MB)"]),
-             _row(["---"] * 12)]
+                   "final worst client (%)"] + (NEW_CLIENT_HEADERS if new else [])
+                  + ["simulated time (s)", "MB up + down", "server state (MB)",
+                     "peak RSS (MB)"]),
+             _row(["---"] * (12 + 3 * new))]
     for run in runs:
         s = run.summary
         total_mb = (run.total("bytes_up", "bytes_up_total")
@@ -198,11 +205,26 @@ def _totals_table(runs: list[RunRecord]) -> list[str]:
         lines.append(_row([
             run.label, str(s.get("algorithm", NA)), str(s.get("dataset", NA)), str(run.rounds),
             _fmt(_get(s, "acc_mean_best") * 100), _fmt(_get(s, "acc_mean_final") * 100),
-            _fmt(_get(s, "acc_std_final") * 100), _fmt(_get(s, "acc_min_final") * 100),
-            _fmt(run.total("t_round", TOTAL_KEYS["t_round"]), 1), _fmt(total_mb),
-            _fmt(_get(s, "server_state_bytes") / 1e6, 3),
-            _fmt(_get(s, "peak_rss_bytes") / 1e6, 1)]))
+            _fmt(_get(s, "acc_std_final") * 100), _fmt(_get(s, "acc_min_final") * 100)]
+            + (_new_client_cells(s) if new else [])
+            + [_fmt(run.total("t_round", TOTAL_KEYS["t_round"]), 1), _fmt(total_mb),
+               _fmt(_get(s, "server_state_bytes") / 1e6, 3),
+               _fmt(_get(s, "peak_rss_bytes") / 1e6, 1)]))
+    refused = [f"{run.label} ({run.summary['new_clients_refused']})" for run in runs
+               if run.summary.get("new_clients") and run.summary.get("new_clients_refused")]
+    if refused:
+        lines += ["", "New clients n/a: the method cannot serve a client it never trained: "
+                  + "; ".join(refused) + "."]
     return lines
+
+
+def _new_client_cells(summary: dict) -> list[str]:
+    """Best and final mean accuracy of the held-out clients and the worst one's final;
+    n/a for a run without them or whose method cannot serve a new client."""
+    if not summary.get("new_clients") or summary.get("new_clients_refused"):
+        return [NA] * 3
+    return [_fmt(_get(summary, key) * 100)
+            for key in ("acc_new_mean_best", "acc_new_mean_final", "acc_new_min_final")]
 
 
 def _get(summary: dict, key: str) -> float:
