@@ -144,12 +144,13 @@ def async_edge_rounds(times: list[float | None], k2: int,
     round, so an edge too slow for one round in a period starts one that takes several
     periods and is busy in those after it, rather than never running again. Before any edge
     has been timed (the first period) every edge runs k2."""
-    period = _period(times, k2)
-    if period is None:
+    timing = _period(times, k2)
+    if timing is None:
         return [k2] * len(times)
+    period, timed = timing
     debt = debt or [0.0] * len(times)
     plan = []
-    for t, d in zip(times, debt, strict=True):
+    for t, d in zip(timed, debt, strict=True):
         n = max(0, int(math.floor((period - d) / t + 0.5)))
         plan.append(1 if n == 0 and d <= 0 else n)
     return plan
@@ -160,15 +161,17 @@ def async_debt(times: list[float | None], k2: int, plan: list[int],
     """Each edge's work in hand after a cloud period of ``plan``'s edge rounds at the
     ``times`` measured: its debt, plus its rounds' time, less the period (k2 times the
     median time), never below 0 (an edge that finishes early waits; it banks no time)."""
-    period = _period(times, k2)
-    if period is None:
+    timing = _period(times, k2)
+    if timing is None:
         return list(debt)
-    return [max(0.0, d + n * t - period) for t, n, d in zip(times, plan, debt, strict=True)]
+    period, timed = timing
+    return [max(0.0, d + n * t - period) for t, n, d in zip(timed, plan, debt, strict=True)]
 
 
-def _period(times: list[float | None], k2: int) -> float | None:
-    """The cloud period, k2 times the median edge-round time; None until every edge has a
-    time (positive and finite)."""
-    if not all(t is not None and math.isfinite(t) and t > 0 for t in times):
+def _period(times: list[float | None], k2: int) -> tuple[float, list[float]] | None:
+    """The cloud period, k2 times the median edge-round time, and the times it is of; None
+    until every edge has a time (positive and finite)."""
+    timed = [t for t in times if t is not None and math.isfinite(t) and t > 0]
+    if len(timed) < len(times):
         return None
-    return k2 * float(np.median(times))
+    return k2 * float(np.median(timed)), timed

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -69,13 +69,14 @@ def assign_edges(num_clients: int, edges: int, assignment: str, seed: int,
         raise ConfigError(f"topology.edges = {edges} is more than the {num_clients} clients; "
                           f"valid: 0 (star) to {num_clients}")
     if assignment == "explicit":
-        if len(parents or []) != num_clients:
+        explicit = parents or []
+        if len(explicit) != num_clients:
             raise ConfigError(f"topology.assignment = 'explicit' needs topology.parents with one "
-                              f"edge per client ({num_clients}); it has {len(parents or [])}")
-        bad = [p for p in parents if not 0 <= p < edges]
+                              f"edge per client ({num_clients}); it has {len(explicit)}")
+        bad = [p for p in explicit if not 0 <= p < edges]
         if bad:
             raise ConfigError(f"topology.parents holds {sorted(set(bad))}; edges are 0..{edges - 1}")
-        out = list(parents)
+        out = list(explicit)
     elif assignment == "partition":
         if parents:
             raise ConfigError("topology.parents applies only to topology.assignment = 'explicit', "
@@ -223,6 +224,7 @@ class Federation:
         a hierarchical partition's edge per client and the clients' [N, C] train label
         counts, which topology.assignment = partition and similar read."""
         system, model, topo = cfg.system, cfg.model, cfg.topology
+        name = cast(str, model.name)  # filled in by resolution
         assignment = topo.assignment or default_assignment(cfg.partition.scheme)
         if assignment == "partition" and cfg.partition.scheme != "hierarchical":
             raise ConfigError(f"topology.assignment = 'partition' puts each client under the edge "
@@ -238,6 +240,8 @@ class Federation:
                     raise ConfigError(f"system.{key} = {getattr(system, key)!r} prices the "
                                       "edge servers of a hierarchy, but topology.edges = 0 (a "
                                       "star); set topology.edges, or leave system." + key)
+        tier: tuple[str | None, ...]
+        flops: tuple[float | None, ...]
         if system.devices == "tiers":
             assigned = assign_tiers(system.tiers, num_clients, cfg.seed)
             tier = tuple(t.name for t in assigned)
@@ -252,13 +256,13 @@ class Federation:
             unknown = sorted(set(model.tiers) - set(names))
             if unknown:
                 raise ConfigError(f"model.tiers names tiers {unknown}; system.tiers has {names}")
-        arch = tuple(model.tiers.get(t, model.name) if t is not None else model.name for t in tier)
+        arch = tuple(model.tiers.get(t, name) if t is not None else name for t in tier)
         parent = assign_edges(num_clients, topo.edges, assignment, cfg.seed, topo.parents,
                               split_edges, histograms)
         if topo.edge_rounds > 1 and topo.edges == 0:
             raise ConfigError(f"topology.edge_rounds = {topo.edge_rounds} needs edge servers; "
                               "set topology.edges >= 1 (0 = star, where it must be 1)")
-        order = (model.name, *(model.tiers[t.name] for t in system.tiers if t.name in model.tiers))
+        order = (name, *(model.tiers[t.name] for t in system.tiers if t.name in model.tiers))
         held = held_out_clients(cfg.seed, num_clients, cfg.eval.new_clients, parent, topo.edges)
         return cls(tier, flops, arch, tuple(parent), topo.edges, topo.edge_rounds, order, held)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -99,14 +100,16 @@ def draw_links(cfg: SystemConfig, num_clients: int, seed: int) -> Links:
     draws = np.empty((num_clients, 5))
     for cid in range(num_clients):
         rng = np.random.default_rng(derive_seed(seed, "system", "link", cid))
-        draws[cid] = [rng.uniform(*cfg.client_bandwidth_mhz), rng.uniform(*cfg.client_power_dbm),
-                      rng.uniform(*cfg.distance_m),
+        (bw_lo, bw_hi), (p_lo, p_hi) = cfg.client_bandwidth_mhz, cfg.client_power_dbm
+        d_lo, d_hi = cfg.distance_m
+        draws[cid] = [rng.uniform(bw_lo, bw_hi), rng.uniform(p_lo, p_hi), rng.uniform(d_lo, d_hi),
                       rng.normal(cfg.up_interference_mean, cfg.up_interference_std),
                       rng.normal(cfg.down_interference_mean, cfg.down_interference_std)]
     bandwidth = draws[:, 0] * 1e6
     power = dbm_to_watt(draws[:, 1])
-    gain = channel_gain(draws[:, 2], cfg.path_loss_db, cfg.reference_distance_m,
-                        cfg.path_loss_exponent, cfg.fading_gain)
+    # distances in, an array of gains out
+    gain = cast(np.ndarray, channel_gain(draws[:, 2], cfg.path_loss_db, cfg.reference_distance_m,
+                                         cfg.path_loss_exponent, cfg.fading_gain))
     # A Gaussian draw can be negative; an interference power cannot: clip at zero.
     up_i, down_i = np.clip(draws[:, 3], 0, None), np.clip(draws[:, 4], 0, None)
     unit = None if cfg.interference_unit == "noise" else INTERFERENCE_UNIT_W[cfg.interference_unit]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -214,15 +215,16 @@ class SystemModel:
                                                          else total(k)))
         e = per_edge[critical]
         counted = [st for edge_steps in steps.values() for st in edge_steps]
-        no_flops = any(st.flops_client is None for st in counted)
+        client_flops = [(st.flops_client, st.selected) for st in counted
+                        if st.flops_client is not None]
+        edge_flops = [st.flops_edge for st in counted if st.flops_edge is not None]
         return {
             "t_down": e["t_down"], "t_compute": e["t_compute"], "t_up": e["t_up"],
             "t_server": t_server, "t_round": total(critical) + t_server,
-            "flops_client": (math.nan if no_flops else float(sum(
-                int(st.flops_client.get(c, 0)) for st in counted for c in st.selected))),
-            "flops_server": (math.nan if flops_server is None or any(
-                st.flops_edge is None for st in counted)
-                else float(flops_server + sum(st.flops_edge for st in counted))),
+            "flops_client": (math.nan if len(client_flops) < len(counted) else float(sum(
+                int(flops.get(c, 0)) for flops, selected in client_flops for c in selected))),
+            "flops_server": (math.nan if flops_server is None or len(edge_flops) < len(counted)
+                             else float(flops_server + sum(edge_flops))),
             "t_backhaul": e["t_backhaul"], "t_edge": e["t_edge"], "t_wait": e["t_wait"],
         }
 
@@ -244,15 +246,16 @@ class SystemModel:
                 row[name] = float(values[cid])
             row["uplink_bps"] = float(self.uplink_bps[cid])
             row["downlink_bps"] = float(self.downlink_bps[cid])
-            if self.compute_s is not None:
-                row["cpu_hz"] = float(self.devices.cpu_hz[cid])
+            cpu_hz = self.devices.cpu_hz  # set where compute_s is
+            if self.compute_s is not None and cpu_hz is not None:
+                row["cpu_hz"] = float(cpu_hz[cid])
                 row["compute_s"] = float(self.compute_s[cid])
             else:
                 row["flops_per_s"] = float(self.flops_per_s[cid])
             if self.devices.tier[cid] is not None:
                 row["tier"] = self.devices.tier[cid]
             clients.append(row)
-        out = {
+        out: dict[str, Any] = {
             "profile": cfg.profile, "round_timing": cfg.round_timing,
             "devices": "cpu_cycles" if self.compute_s is not None else cfg.devices,
             "server_flops_per_s": cfg.server_flops,

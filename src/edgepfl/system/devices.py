@@ -23,10 +23,11 @@ class Devices:
 def draw_devices(cfg: SystemConfig, num_clients: int, seed: int) -> Devices:
     """Seeded device speeds, from a stream of their own (changing the channel settings
     does not change the devices, and vice versa)."""
+    (cpu_lo, cpu_hi), (flops_lo, flops_hi) = cfg.cpu_ghz, cfg.device_flops
     if cfg.profile == "wen_table2":
         # the CPU frequency prices training; there is no FLOP/s figure
         cpu = np.array([np.random.default_rng(derive_seed(seed, "system", "cpu", cid))
-                        .uniform(*cfg.cpu_ghz) * 1e9 for cid in range(num_clients)])
+                        .uniform(cpu_lo, cpu_hi) * 1e9 for cid in range(num_clients)])
         return Devices(np.full(num_clients, np.nan), [None] * num_clients, cpu)
     if cfg.devices == "tiers":
         # the federation's own assignment, so the tier that prices a client's compute is
@@ -35,5 +36,5 @@ def draw_devices(cfg: SystemConfig, num_clients: int, seed: int) -> Devices:
         return Devices(np.array([t.flops for t in assigned], dtype=np.float64),
                        [t.name for t in assigned])
     speeds = np.array([np.random.default_rng(derive_seed(seed, "system", "device", cid))
-                       .uniform(*cfg.device_flops) for cid in range(num_clients)])
+                       .uniform(flops_lo, flops_hi) for cid in range(num_clients)])
     return Devices(speeds, [None] * num_clients)
