@@ -224,14 +224,14 @@ class TrainConfig(_Section):
     @field_validator("workers")
     @classmethod
     def _workers(cls, value: int | str) -> int | str:
-        if value != "auto" and (isinstance(value, bool) or value < 1):
+        if not isinstance(value, str) and (isinstance(value, bool) or value < 1):
             raise ValueError(f"{value!r}: give a number of processes >= 1, or 'auto'")
         return value
 
     @field_validator("threads")
     @classmethod
     def _threads(cls, value: int | str) -> int | str:
-        if value != "auto" and (isinstance(value, bool) or value < 1):
+        if not isinstance(value, str) and (isinstance(value, bool) or value < 1):
             raise ValueError(f"{value!r}: give a number of threads >= 1, or 'auto'")
         return value
 

@@ -11,6 +11,7 @@ import io
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import matplotlib.ticker
@@ -52,7 +53,7 @@ def setting_line(config: Mapping | None, skip: Sequence[str] = ()) -> str:
         return ""
 
     def get(dotted: str):
-        node = config
+        node: Any = config
         for part in dotted.split("."):
             node = node.get(part) if isinstance(node, Mapping) else None
         return None if dotted in skip else node

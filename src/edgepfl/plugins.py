@@ -180,6 +180,8 @@ def _load(spec: str) -> None:
                                   "the path of a .py file or the name of an importable module")
             name = f"edgepfl_plugin_{path.stem}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
             module_spec = importlib.util.spec_from_file_location(name, path)
+            if module_spec is None or module_spec.loader is None:  # no loader for its suffix
+                raise ConfigError(f"plug-in {spec!r}: {path} is not a Python source file")
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[name] = module
             try:

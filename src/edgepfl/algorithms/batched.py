@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -166,7 +167,8 @@ class BatchedTraining:
                     seen[i] += count
                     steps[i] += 1
         if stack.pull is not None:
-            stack.pull.unstack(stack.hooks)
+            # a stacked pull is made only where every hook is a pull (Pull.stacked)
+            stack.pull.unstack(cast(list[Pull], stack.hooks))
         return [({**{n: host(stack.weights[n][i]) for n in names},
                   **{n: host(t[i]) for n, t in held.items()}},
                  fit_stats(float(loss_sum[i]), seen[i], steps[i])) for i in range(k)]
@@ -276,8 +278,9 @@ class BatchedTraining:
             return None
         norm = data.norm
         if norm is not None:
-            if not hasattr(norm, "to"):  # a normalisation that cannot move runs on the host
+            move = getattr(norm, "to", None)
+            if move is None:  # a normalisation that cannot move runs on the host
                 return None
-            norm = norm.to(self.device)
+            norm = move(self.device)
         self._resident = (data.x, data.y, data.x.to(self.device), data.y.to(self.device), norm)
         return self._resident[2:]

@@ -99,7 +99,7 @@ class Trainer(BatchedTraining, Evaluation):
 
     def export(self, names: Sequence[str] | None = None) -> State:
         names = self.state_names if names is None else names
-        return {n: host((self.params.get(n) if n in self.params else self.buffers[n]).detach())
+        return {n: host((self.params[n] if n in self.params else self.buffers[n]).detach())
                 for n in names}
 
     def layout(self, x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -133,7 +133,7 @@ def _assemble(name: str, path: Path, train: _Split, test: _Split | None,
     ytr, yte, classes = _label_indices(train, test, class_names)
     train.y = ytr
     if test is not None:
-        test.y = yte
+        test.y = cast(np.ndarray, yte)  # a test split in, its labels out
         if test.client is not None and train.client is None:
             raise DataError(f"{test.where} names each sample's client but {train.where} does "
                             f"not; give the training samples their clients too, or neither")
@@ -287,7 +287,7 @@ def _inputs(train: _Split, test: _Split
     """Both splits' inputs as ``[n, C, H, W]`` arrays of one channel count (images of
     several sizes on one canvas, with their sizes)."""
     if isinstance(train.x, list):
-        canvas, sizes = _pack(train.x + test.x,  # type: ignore[operator]
+        canvas, sizes = _pack(train.x + test.x,
                               (train.files or []) + (test.files or []))
         n = len(train.x)
         return (canvas[:n], canvas[n:], None if sizes is None else sizes[:n],

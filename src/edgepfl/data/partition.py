@@ -72,7 +72,7 @@ class Partition:
     def to_json(self, y_train: torch.Tensor, y_test: torch.Tensor) -> dict[str, Any]:
         """A summary for reports and run directories (sizes and label counts, no indices)."""
         train_counts, test_counts = self.class_counts(y_train, y_test)
-        out = {
+        out: dict[str, Any] = {
             "scheme": self.scheme,
             "num_clients": self.num_clients,
             "num_classes": self.num_classes,
@@ -606,16 +606,16 @@ def _reroute(out: np.ndarray, need: np.ndarray, room: np.ndarray, allowed: np.nd
                 room[c] -= m
                 continue
             moved = False
-            for c in np.flatnonzero(room > 0):
-                gain = np.where(allowed[:, c][:, None] & allowed[i][None, :], out, 0)
+            for col in np.flatnonzero(room > 0):
+                gain = np.where(allowed[:, col][:, None] & allowed[i][None, :], out, 0)
                 if gain.max() <= 0:
                     continue
                 j, d = np.unravel_index(int(np.argmax(gain)), gain.shape)
-                m = min(int(need[i]), int(room[c]), int(gain[j, d]))
+                m = min(int(need[i]), int(room[col]), int(gain[j, d]))
                 out[j, d] -= m
-                out[j, c] += m
+                out[j, col] += m
                 out[i, d] += m
-                room[c] -= m
+                room[col] -= m
                 need[i] -= m
                 moved = True
                 break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -135,7 +136,9 @@ class MLP(nn.Module):
         return self.fc3(self.features(x))
 
 
-ModelFactory = Callable[[int, int, int], nn.Module]
+# (channels, num_classes, size): size is the side of a square image, or (height, width) for
+# the RECTANGULAR_MODELS
+ModelFactory = Callable[[int, int, Any], nn.Module]
 
 MODELS: dict[str, tuple[ModelFactory, str]] = {
     "cnn2": (CNN2, "KAPC's CNN for 28x28 images: 2 conv 5x5 (32, 64), FC 512, 128, classifier"),

@@ -99,7 +99,9 @@ def _values(best: dict) -> dict[str, Any]:
 def _trials_counted(best: dict) -> int:
     """The trials the study spent: not those it plans, nor those interrupted or still
     running (they did not judge their point), so that budgets compare."""
-    trials = best.get("trials") if isinstance(best.get("trials"), dict) else {}
+    trials = best.get("trials")
+    if not isinstance(trials, dict):
+        trials = {}
     return sum(v for k, v in trials.items() if k not in ("planned", "interrupted", "running"))
 
 

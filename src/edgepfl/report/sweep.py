@@ -41,7 +41,9 @@ def parse_values(raw: str) -> list[Any]:
 
 
 def _split_values(raw: str) -> list[str]:
-    parts, current, depth, quote = [], [], 0, ""
+    parts: list[str] = []
+    current: list[str] = []
+    depth, quote = 0, ""
     for ch in raw:
         if quote:
             quote = "" if ch == quote else quote

@@ -41,7 +41,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from edgepfl.algorithms import get_algorithm
 from edgepfl.algorithms.base import IntRange, LogUniform, SearchRange, Uniform
@@ -152,7 +152,9 @@ def settings_of(cfg: dict) -> dict:
     """What a configuration computes, its length included: without where it runs and
     where it is reported."""
     out = without_rounds(cfg)
-    train = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
+    train = cfg.get("train")
+    if not isinstance(train, dict):
+        train = {}
     out["train"] = {**out.get("train", {}), "rounds": train.get("rounds")}
     return out
 
@@ -240,7 +242,7 @@ def _suggest(trial, key: str, rng: SearchRange) -> Any:
 
 
 def _next_trial(study, storage, lock: Path, trials: int, seed: int,
-                space: dict[str, SearchRange]):
+                space: dict[str, SearchRange]) -> tuple[Any, dict[str, Any]] | None:
     """The next trial and its point, or None once ``trials`` count."""
     with _locked(lock):
         _release_stale(study, storage)
@@ -564,7 +566,7 @@ def tune_markdown(rows: list[dict], record: dict, space: dict[str, str], best: d
                   folder: Path, trials: int, counts: dict[str, int]) -> str:
     cfg = record.get("config") or {}
     part, train, ev = cfg.get("partition", {}), cfg.get("train", {}), cfg.get("eval", {})
-    algorithm = record.get("algorithm")
+    algorithm = cast(str, record.get("algorithm"))  # written by _record
     lines = [
         f"# Tuning {algorithm} on {cfg.get('dataset', {}).get('name')}",
         "",
