@@ -45,8 +45,8 @@ def client_views(dataset: Dataset, partition: Partition, cid: int,
     draw from the run seed and the client alone."""
     ds, idx = dataset, partition.test[cid]
     train_idx, val_idx = partition.train[cid], None
-    share = cfg.eval.validation if cfg is not None else 0.0
-    if share > 0:
+    if cfg is not None and cfg.eval.validation > 0:
+        share = cfg.eval.validation
         rng = np.random.default_rng(derive_seed(cfg.seed, "validation", cid))
         train_idx, val_idx = validation_split(train_idx, ds.y_train, share, rng)
     crops = image_crops(cfg, dataset) if cfg is not None else None
@@ -64,6 +64,7 @@ def client_views(dataset: Dataset, partition: Partition, cid: int,
                                             ds.y_train.index_select(0, val_idx))
         return ClientViews(ClientData(ds.x_train, ds.y_train, train_idx, norm=ds.norm),
                            (ds.images("test", idx), ds.y_test.index_select(0, idx)), val)
+    assert cfg is not None  # crops come only from a configuration
     # Drawn per client from the run seed alone, so the simulation and a Flower node (which
     # builds only its own client's split) cut the same crops.
     ratio = None

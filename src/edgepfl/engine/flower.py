@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
@@ -110,7 +110,7 @@ UNNOISED_STATS = ("train_loss", "samples")
 MIN_NODES = "min-nodes"
 RESUME = "resume"
 # the ServerApp's own, with defaults (min-nodes: every client's node)
-SERVER_KEYS = {OUT: None, WAIT: 300.0, TIMEOUT: 3600.0, MIN_NODES: None, RESUME: False}
+SERVER_KEYS: dict[str, Any] = {OUT: None, WAIT: 300.0, TIMEOUT: 3600.0, MIN_NODES: None, RESUME: False}
 # a deployment's time is real: no simulated network or compute costs
 COLUMNS = [c for c in METRIC_COLUMNS if c not in COST_COLUMNS]
 
@@ -130,6 +130,10 @@ def to_content(msg: Message | None) -> RecordDict:
     return RecordDict({TENSORS: tensors, META: meta})
 
 
+@overload
+def from_content(content: RecordDict, optional: Literal[False] = False) -> Message: ...
+@overload
+def from_content(content: RecordDict, optional: bool) -> Message | None: ...
 def from_content(content: RecordDict, optional: bool = False) -> Message | None:
     """Flower records back into an edgepfl message; anything else is a ``MessageError``
     (the records come from a peer). ``optional``: no records at all means ``None``."""
@@ -534,7 +538,9 @@ def _client_of(reply: FlowerMessage, node: int, num_clients: int,
         raise MessageError(f"the query to node {node} was answered by node "
                            f"{reply.metadata.src_node_id}")
     said = reply.content.get(META) if reply.has_content() else None
-    cid = said.get(PARTITION_ID) if isinstance(said, ConfigRecord) else None
+    if not isinstance(said, ConfigRecord):
+        said = {}  # no PARTITION_ID: refused below
+    cid = said.get(PARTITION_ID)
     if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < num_clients:
         raise MessageError(f"node {node} answered the query without "
                            f"a {PARTITION_ID} in 0..{num_clients - 1} (it said {cid!r})")
@@ -671,8 +677,9 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], cfg: Config, out: Pat
     dataset = dataset_of(cfg.dataset, cfg.seed)
     n = cfg.partition.clients
     parts = Parts.build(cfg, dataset, n, out)
-    rounds = Rounds(parts, FlowerTransport(None, {}, timeout, n, parts.federation.parent))
-    if resume:
+    transport = FlowerTransport(None, {}, timeout, n, parts.federation.parent)
+    rounds = Rounds(parts, transport)
+    if resume and out is not None:  # out is set where resume is (checked above)
         load_checkpoint(out / CHECKPOINT, rounds, runtime="flower")  # clients: on the nodes
         log.info("resuming %s after round %d", out, rounds.round)
         name = parts.federation.arch[0]
@@ -682,8 +689,8 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], cfg: Config, out: Pat
                         "(a new flwr run starts its nodes with empty memory); nodes without "
                         "it start their clients from their initial state", cfg.algorithm.name,
                         STATE_DIR)
-    rounds.transport.grid = grid
-    rounds.transport.nodes = discover(grid, n, wait, timeout, parts.federation.parent,
+    transport.grid = grid
+    transport.nodes = discover(grid, n, wait, timeout, parts.federation.parent,
                                       min_nodes(run_config, n))
     if out is not None:
         write_json(out / "config.json", cfg.model_dump())

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -133,12 +134,13 @@ class InProcess(Transport):
                     f"the clients' state ({fed.num_clients} clients x {row / 1e6:.2f} MB)")
             self.store.set_row(cid, state)
 
-    def train(self, step: int, messages: dict[int, Message]) -> dict[int, ClientReply]:
+    def train(self, step: int,
+              messages: dict[int, Message]) -> dict[int, ClientReply | ClientFailure]:
         keys: dict[int, tuple] = {}
         # with a time limit even one client trains in a worker, where it can be stopped
         parallel = self.pool is not None and (len(messages) > 1 or self.timeout is not None)
 
-        def tasks():
+        def tasks() -> Iterator[tuple]:
             # local training cost depends on shapes, not values: counted once per
             # architecture, data shape and message/state signature, not once per client.
             # Only the first client of a key in a step is counted; the others take its
@@ -157,14 +159,16 @@ class InProcess(Transport):
                     counting.add(key)
                 yield "train", step, cid, msg, sendable(state) if parallel else state, count
 
-        replies = {}
+        replies: dict[int, ClientReply | ClientFailure] = {}
         # in parallel every task is made before a reply is stored: the pool draws tasks in
         # a thread of its own, and a reply that adds entries to the store (an HMPL client
         # growing IP layers) must not change it under a task being read from it
-        if parallel and self.timeout is not None:
-            done = self.pool.map(list(tasks()), self.timeout, self._timed_out)
-        elif parallel:
-            done = self.pool.map(list(tasks()))
+        pool = self.pool if parallel else None
+        done: Iterable[tuple]
+        if isinstance(pool, TimedPool):  # the pool of a run with a time limit
+            done = pool.map(list(tasks()), self.timeout, self._timed_out)
+        elif pool is not None:
+            done = pool.map(list(tasks()))
         elif self.batch_clients:
             done = self._train_batched(list(tasks()))
         else:
@@ -209,7 +213,7 @@ class InProcess(Transport):
         whose FLOPs are to be counted (the first of its kind in the step) trains alone
         under the meter, so that counts stay those of one client's training."""
         out: dict[int, tuple] = {}
-        waiting: dict[str, list[tuple]] = {}
+        waiting: dict[tuple[str, int], list[tuple]] = {}
         for task in tasks:
             _, step, cid, msg, state, count = task
             request = None
@@ -402,7 +406,8 @@ class Simulation:
         sample = torch.zeros(self.dataset.input_shape)
         counts = [step_flops(t.model, sample, self.cfg.train.batch_size)
                   for t in self.parts.trainers.values()]
-        return None if None in counts else max(counts, default=None)
+        known = [c for c in counts if c is not None]
+        return None if len(known) < len(counts) else max(known, default=None)
 
     # the run's progress lives in the round protocol
     @property
@@ -476,6 +481,7 @@ class Simulation:
         if self.cfg.eval.validation:
             part["validation"] = self.cfg.eval.validation
             for row, val in zip(part["clients"], self.val_data, strict=True):
+                assert val is not None  # eval.validation holds samples out of every client
                 row["val_samples"] = sample_count(val)
         crops = image_crops(self.cfg, self.dataset)
         if crops is not None:
@@ -483,7 +489,7 @@ class Simulation:
             for row, train, test in zip(part["clients"], self.train_data, self.test_data,
                                         strict=True):
                 row["train_ratio_counts"] = crops.counts(train.boxes)
-                row["test_ratio_counts"] = crops.counts(test.boxes)
+                row["test_ratio_counts"] = crops.counts(cast(ClientData, test).boxes)  # a crop
         if len(self.parts.architectures) > 1:
             part["architectures"] = {name: a.layers.to_json()
                                      for name, a in self.parts.architectures.items()}

@@ -170,7 +170,8 @@ class TimedPool:
         self._start_workers()
         todo = list(enumerate(tasks))[::-1]
         count, out = len(todo), {}
-        idle, busy = list(self._workers), []
+        idle = list(self._workers)
+        busy: list[_Worker] = []
         try:
             while todo or busy:
                 while todo and idle:
