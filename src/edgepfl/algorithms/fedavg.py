@@ -8,7 +8,7 @@ layers the architectures share form one model, the rest stay per architecture.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -56,7 +56,7 @@ PRIVACY = PrivacySupport(client="mean", sample=True, unaccounted=finetune_unacco
 
 
 class FedAvgServer(Server):
-    state = ("global_model",)
+    state: ClassVar[tuple[str, ...]] = ("global_model",)
 
     def __init__(self, ctx: ServerContext, hp):
         super().__init__(ctx, hp)

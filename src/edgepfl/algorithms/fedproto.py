@@ -15,7 +15,7 @@ win). The engine's shared evaluation then measures exactly the paper's inference
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 from pydantic import Field
@@ -127,9 +127,12 @@ class FedProtoServer(Server):
         who, (num_classes, dim) = f"client {cid}", self.protos.shape
         check_meta(who, reply.meta, {"classes": ints(0, num_classes, unique=True),
                                      "counts": ints(1)})
-        rows = len(reply.meta["classes"])
-        if len(reply.meta["counts"]) != rows:
-            raise MessageError(f"{who} sent {len(reply.meta['counts'])} counts for {rows} classes")
+        # check_meta has held both to lists of integers
+        classes = cast(list[int], reply.meta["classes"])
+        counts = cast(list[int], reply.meta["counts"])
+        rows = len(classes)
+        if len(counts) != rows:
+            raise MessageError(f"{who} sent {len(counts)} counts for {rows} classes")
         check_entries(who, reply.tensors, {"protos": like((rows, dim), self.protos.dtype)},
                       required=True, unknown=False)
 

@@ -23,7 +23,7 @@ lists the choices where the paper leaves room and the departures.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 from pydantic import Field, field_validator
@@ -115,7 +115,7 @@ def client_rates(ctx: ServerContext, hp: HeteroFLHyperparameters) -> tuple[float
         raise ConfigError(f"algorithm.rates = {hp.rates} has no rate for device tier(s) "
                           f"{missing}; give every tier of system.tiers a rate in (0, 1], e.g. "
                           f"--set 'algorithm.rates={{{example}}}'")
-    return tuple(hp.rates[t] for t in tiers)
+    return tuple(hp.rates[cast(str, t)] for t in tiers)  # no tier is None: it would be missing
 
 
 def message_rate(msg: Message) -> float:

@@ -20,6 +20,8 @@ weighted by those clients' samples.
 
 from __future__ import annotations
 
+from typing import cast
+
 from pydantic import Field
 
 from edgepfl.algorithms.base import (
@@ -92,7 +94,7 @@ def _key_samples(edge: int, report: Message, count: int) -> list[int]:
             isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
         raise MessageError(f"edge {edge}'s report needs {KEY_SAMPLES}: {count} sample counts "
                            f"(integers >= 0), one per parameter; it has {value!r}")
-    return value
+    return cast(list[int], value)
 
 
 class HierFAVGEdge(Edge):

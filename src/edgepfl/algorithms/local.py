@@ -68,9 +68,10 @@ class LocalClient(PersonalModelClient):
                     gen: torch.Generator) -> FitRequest | None:
         epochs = self.ctx.train.local_epochs
         if EPOCHS in msg.meta:
-            epochs = msg.meta[EPOCHS]
-            if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-                raise MessageError(f"local: {EPOCHS} = {epochs!r}; expected an integer >= 0")
+            sent = msg.meta[EPOCHS]
+            if isinstance(sent, bool) or not isinstance(sent, int) or sent < 0:
+                raise MessageError(f"local: {EPOCHS} = {sent!r}; expected an integer >= 0")
+            epochs = sent
             if epochs == 0:  # the budget is spent: the model stays as it is
                 return None
         return sgd_request(self, self.personal_model(state, None), data, gen, epochs=epochs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 from pydantic import Field
@@ -31,6 +31,7 @@ from pydantic import Field
 from edgepfl.algorithms.base import (
     Algorithm,
     Client,
+    ClientContext,
     Hyperparameters,
     LogUniform,
     PrivacySupport,
@@ -91,7 +92,7 @@ class ScaffoldServer(Server):
     def check_reply(self, cid: int, reply: Message) -> None:
         expected = {**self.global_model, **{DELTA + n: c for n, c in self.control.items()}}
         check_message(f"client {cid}", reply, expected, {"num_samples": COUNT})
-        if reply.meta["num_samples"] < 1:
+        if cast(int, reply.meta["num_samples"]) < 1:  # an integer: check_message
             raise MessageError(f"client {cid} sent num_samples = 0; expected a positive "
                                "integer (the samples it trained on)")
 
@@ -121,7 +122,7 @@ class ScaffoldServer(Server):
 class ScaffoldClient(Client):
     batchable = True  # the update is one fit with a gradient hook: run_update
 
-    def __init__(self, ctx, hp):
+    def __init__(self, ctx: ClientContext, hp: ScaffoldHyperparameters) -> None:
         super().__init__(ctx, hp)
         # eta_l of a fit between its request and its finish: the engine may finish a
         # batched fit after the round's rate was lent (train.lr_decay)

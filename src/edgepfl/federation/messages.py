@@ -19,7 +19,8 @@ import torch
 from edgepfl.errors import EdgepflError
 
 Scalar = int | float | str | bool
-MetaValue = Scalar | list[Scalar]
+# a list of one kind is a list of scalars too (list is invariant: list[int] is not list[Scalar])
+MetaValue = Scalar | list[Scalar] | list[int] | list[float] | list[str] | list[bool]
 
 
 class MessageError(EdgepflError):

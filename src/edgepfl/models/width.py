@@ -44,7 +44,7 @@ def check_sliceable(name: str) -> None:
                           f"known chain); models that can: {', '.join(SLICEABLE)}")
 
 
-def check_rate(rate: float, what: str = "rate") -> float:
+def check_rate(rate: object, what: str = "rate") -> float:
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate <= 1:
         raise ValueError(f"{what} = {rate!r}; a width rate must be in (0, 1]")
     return float(rate)
