@@ -40,8 +40,8 @@ def recording(sim: Simulation) -> list:
     seen = []
     train = sim.rounds._train
 
-    def spy(step, down, losses):
-        delivery = train(step, down, losses)
+    def spy(record, step, down):
+        delivery = train(record, step, down)
         seen.append((step, sorted(down), delivery))
         return delivery
 

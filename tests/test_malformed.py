@@ -88,8 +88,8 @@ def honest_run(case: tuple) -> Run:
         steps: list[Step] = []
         train = sim.rounds._train
 
-        def spy(step, down, losses):
-            delivery = train(step, down, losses)
+        def spy(record, step, down):
+            delivery = train(record, step, down)
             replies = {c: ClientReply(r.message.delivered(), r.num_samples)
                        for c, r in delivery.arrived.items()}
             rnd = sim.rounds.round + 1

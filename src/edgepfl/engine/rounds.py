@@ -1,18 +1,16 @@
-"""The round protocol, written once for every runtime.
+"""The round protocol, written once for every runtime: a round is played, and what
+happened is a value, its ``RoundRecord`` (``engine.record``), which the round's
+observers read: the ledger, the system costs, the metrics row, evaluation, the summary
+(``engine.observers``) and the algorithm's ``Reporter``.
 
     star:       select -> server.configure -> clients -> server.aggregate -> evaluate
-    hierarchy:  select (per edge) -> cloud.configure -> edges.receive
-                -> k2 x (edge.configure -> clients -> edge.aggregate)
-                -> edges.report -> cloud.aggregate -> evaluate
+    hierarchy:  ``engine.hierarchy`` (select per edge -> cloud -> k2 x edges -> cloud)
 
 A ``Transport`` (``engine.transport``) carries the client messages: ``InProcess`` (the
 simulation) calls the client parts directly on stacked state, ``FlowerTransport`` sends
-them over a Flower ``Grid``. Everything else (sampling, the algorithm's server and edge
-parts, checking replies, evaluation) happens here, and every figure goes into the run's
-``Ledger`` (``engine.ledger``), so both runtimes produce the same figures. Messages
-between an edge and the cloud are delivered here too (copied, counted on the backhaul);
-on Flower the edges are logical parts of the ServerApp process. The loop that runs
-rounds to the end, with checkpoints and metrics files, is ``engine.rundir.drive``.
+them over a Flower ``Grid``; both produce the same record, so the same figures. Privacy
+(``edgepfl.privacy``) post-processes the replies between delivery and aggregation. The
+loop that runs rounds to the end, with its side work as hooks, is ``engine.rundir.drive``.
 """
 
 from __future__ import annotations
@@ -26,49 +24,36 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgepfl import __version__
-from edgepfl.algorithms.base import Edge, Server
+from edgepfl.algorithms.base import Edge, Reporter, Server
 from edgepfl.config import Config
-from edgepfl.engine.ledger import (
-    NO_EVAL,
-    EdgeBook,
-    Ledger,
-    accuracy_row,
-    accuracy_summary,
-    diverged,
-    mean_over,
-    named_rows,
-    named_summary,
-    new_client_summary,
-    protocol_summary,
-    stop_summary,
-    traffic_summary,
-    validation_row,
-    validation_summary,
+from edgepfl.engine.hierarchy import hierarchical_round
+from edgepfl.engine.ledger import NO_EVAL, Ledger
+from edgepfl.engine.observers import (
+    Health,
+    eval_message,
+    evaluate,
+    log_failures,
+    round_costs,
+    run_summary,
 )
 from edgepfl.engine.parts import Parts
-from edgepfl.engine.schedule import async_debt, async_edge_rounds, early_stop, round_lr
+from edgepfl.engine.record import RoundRecord
+from edgepfl.engine.schedule import early_stop, round_lr
 from edgepfl.engine.transport import (
     ClientReply,
     Delivery,
-    Figures,
-    NothingTrained,
     TooFewReplies,
     Transport,
     check_runtime,
-    client_times,
     deliver,
+    participants,
 )
 from edgepfl.federation.messages import Message, MessageError, NonFiniteError, check_finite
 from edgepfl.federation.topology import CLOUD
 from edgepfl.privacy import round_privacy
-from edgepfl.system import FlopMeter, SystemModel, cost_totals, host_info, state_bytes
+from edgepfl.system import FlopMeter, SystemModel, state_bytes
 
 log = logging.getLogger("edgepfl")
-# a round's training loss this many times a uniform guess's cross-entropy, log(classes),
-# or not finite, is taken as a diverged client: an initial classifier is near log(classes)
-# and training that works lowers it (regularizers add little on top)
-DIVERGED = 10.0
 
 
 class Rounds:
@@ -86,11 +71,10 @@ class Rounds:
         self.server: Server = parts.server()
         self.edges: list[Edge] = [parts.edge(k) for k in range(fed.edges)]
         self.ledger = Ledger(fed.num_clients, fed.edges, self._state_bytes())
-        self._divergence_warned = False
-        self._nonfinite_warned = False
-        self._selected: list[int] = []
-        # this round's client replies: asked for, aggregated, rejected for NaN / Inf
-        self.round_asked = self.round_aggregated = self.round_nonfinite = 0
+        # the parts that report beside the protocol: observers of every round's record
+        self.reporters = [p for p in (self.server, *self.edges) if isinstance(p, Reporter)]
+        self.health = Health(parts.num_classes)
+        self.last_record: RoundRecord | None = None
         # the transport's clients report the FLOPs of their work (the simulation's do)
         self.counting = self.flops.enabled and transport.counts_flops
         self.asynchronous = self.cfg.topology.mode == "async"
@@ -143,107 +127,76 @@ class Rounds:
         stop = self.stopped
         return stop["round"] if stop is not None else self.cfg.train.rounds
 
+    @property
+    def round_note(self) -> str:
+        """What the progress line says of the last round beside its figures."""
+        return self.health.note(self.last_record)
+
+    def check_trained(self) -> None:
+        """Refuse to report a run that never aggregated a reply (``Health.check_trained``)."""
+        self.health.check_trained(self.ledger)
+
+    def evaluate(self, rnd: int) -> dict:
+        """Every client's personalized model on its own test split (``observers.evaluate``)."""
+        selected = self.last_record.selected if self.last_record is not None else []
+        return evaluate(self, rnd, selected)
+
+    def eval_message(self, cid: int) -> Message | None:
+        return eval_message(self, cid)
+
+    def summary(self, **extra: Any) -> dict:
+        return run_summary(self, **extra)
+
     def _state_bytes(self) -> int:
         return state_bytes(self.server.state_dict()) + sum(
             state_bytes(e.state_dict()) for e in self.edges)
 
     # -- one round ------------------------------------------------------------------------
     def step(self) -> dict:
-        cfg = self.cfg
+        """Play the next round and hand its record to the observers; returns the round's
+        metrics row (also in the ledger)."""
+        cfg, ledger = self.cfg, self.ledger
         rnd = self.round + 1
-        t0 = time.perf_counter()
-        selected = self.federation.select(cfg.seed, rnd, cfg.train.participation)
-        if not self.federation.hierarchical:
-            chosen = self.server.participants(rnd, selected)
-            if self.held_out:  # a protocol that asks for every client gets the others
-                chosen = [c for c in chosen if c not in self.held_out]
-            selected = _check_participants(chosen, self.federation.num_clients, rnd)
-        self._selected = selected
-        self.round_asked = self.round_aggregated = self.round_nonfinite = 0
-        if self.federation.hierarchical:
-            row, losses = self._hierarchical_round(rnd, selected)
-        else:
-            row, losses = self._star_round(rnd, selected)
+        record = self.play(rnd)
+        self.last_record = record
+        row = dict(record.traffic)
+        losses = record.losses
         row["train_loss"] = (float(np.average([v for v, _ in losses], weights=[w for _, w in losses]))
                              if losses else math.nan)
-        if losses:
-            self._warn_if_diverged(rnd, row["train_loss"])
-        if self.round_nonfinite:
-            self._warn_nonfinite(rnd)
-        if self.round_aggregated and self.ledger.rounds_aggregated is not None:
-            self.ledger.rounds_aggregated += 1
+        self.health.observe(record, row["train_loss"])
+        if record.aggregated and ledger.rounds_aggregated is not None:
+            ledger.rounds_aggregated += 1
         row["lr"] = round_lr(cfg, rnd)
-        self.ledger.server_state_bytes = max(self.ledger.server_state_bytes, self._state_bytes())
+        ledger.server_state_bytes = max(ledger.server_state_bytes, self._state_bytes())
         if (rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds
-                or self.privacy.stop(self.ledger, rnd) is not None):  # the last round
-            row.update(self.evaluate(rnd))
+                or self.privacy.stop(ledger, rnd) is not None):  # the last round
+            row.update(evaluate(self, rnd, record.selected))
         else:
             row.update(NO_EVAL)
-        row.update(row.pop("_costs"))
-        row.update(self.server.round_metrics())
-        row.update(self.privacy.row(self.ledger, rnd))
-        row["wall_s"] = time.perf_counter() - t0
-        self.ledger.add_row(row)
+        row.update(round_costs(self.system, record, ledger, self.federation.edge_rounds))
+        for reporter in self.reporters:
+            row.update(reporter.round_metrics())
+        row.update(self.privacy.row(ledger, rnd))
+        row["wall_s"] = time.perf_counter() - record.started
+        ledger.add_row(row)
         return row
 
-    def _warn_if_diverged(self, rnd: int, loss: float) -> None:
-        """Once a run, say that a client's training blew up (too high a rate for it): the
-        accuracy columns show it only later, as a collapse that can look like the method's."""
-        guess = math.log(max(self.parts.num_classes, 2))
-        if self._divergence_warned or (math.isfinite(loss) and loss <= DIVERGED * guess):
-            return
-        self._divergence_warned = True
-        log.warning("round %d: training loss %.4g, over %g times a uniform guess's %.3g: a "
-                    "client's local training has diverged (lower train.lr, or check the data)",
-                    rnd, loss, DIVERGED, guess)
+    def play(self, rnd: int) -> RoundRecord:
+        """Round ``rnd`` of the protocol, star or hierarchy; its ``RoundRecord``, which the
+        algorithm's reporters have seen."""
+        record = RoundRecord(rnd, self.federation.select(self.cfg.seed, rnd,
+                                                         self.cfg.train.participation),
+                             time.perf_counter(), system=self.system, counting=self.counting)
+        if self.federation.hierarchical:
+            hierarchical_round(self, record)
+        else:
+            self._star_round(record)
+            self.ledger.count_clients(record.bytes_down, record.bytes_up)
+        for reporter in self.reporters:
+            reporter.observe(record)
+        return record
 
-    def _warn_nonfinite(self, rnd: int) -> None:
-        """Once a run, say that replies came back with NaN or Inf values: their clients'
-        training diverged, though no loss of theirs reached ``train_loss``."""
-        if self._divergence_warned:
-            return
-        self._divergence_warned = True
-        log.warning("round %d: %d of the %d replies asked for had NaN or Inf values and were "
-                    "rejected: those clients' local training has diverged (lower train.lr, "
-                    "or check the data)", rnd, self.round_nonfinite, self.round_asked)
-
-    @property
-    def round_note(self) -> str:
-        """What the progress line says of the last round beside its figures: that it
-        aggregated nothing (every reply asked for failed or was rejected)."""
-        if self.round_aggregated or not self.round_asked:
-            return ""
-        return f"nothing aggregated: all {self.round_asked} replies failed"
-
-    def check_trained(self) -> None:
-        """Refuse to report a run in which no reply was ever aggregated: its model is the
-        untrained initial one, and its figures would read as a result (``NothingTrained``,
-        with the reasons the clients failed)."""
-        if self.round == 0 or self.ledger.rounds_aggregated != 0:
-            return
-        reasons: dict[str, int] = {}
-        example: dict[str, str] = {}
-        for entry in self.ledger.failure_log:
-            reason = entry["reason"]
-            kind = ("rejected: NaN or Inf values" if "NaN or Inf" in reason
-                    else reason.split(":")[0] if reason.startswith(("no reply", "rejected"))
-                    else reason)
-            reasons[kind] = reasons.get(kind, 0) + 1
-            example.setdefault(kind, f"client {entry['client']}: {reason}")
-        told = "; ".join(
-            f"{n} {kind}" + (f" (first, {example[kind]})" if kind in ("no reply", "rejected")
-                             else "")
-            for kind, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
-        diverged = bool(reasons) and set(reasons) == {"rejected: NaN or Inf values"}
-        raise NothingTrained(
-            f"no client's reply was aggregated in any of the run's {self.round} round(s) "
-            f"({told or 'no replies'})"
-            + ("; the clients' local training diverged: lower train.lr, or check the data"
-               if diverged else "")
-            + ". The model was never trained, so the run has no result to report; its "
-            "metrics.csv and failures.csv say what happened")
-
-    def _train(self, step: object, down: dict[int, Message], losses: list) -> Delivery:
+    def _train(self, record: RoundRecord, step: object, down: dict[int, Message]) -> Delivery:
         """Deliver ``down`` to its clients, less the ones the fault model drops, and collect
         the replies. A reply later than ``faults.deadline``, a malformed one and a client
         that did not reply are failures: logged, counted, never aggregated. In a hierarchy
@@ -262,9 +215,9 @@ class Rounds:
                     self.check_reply(cid, reply)
                 except MessageError as exc:
                     delivery.rejected[cid] = str(exc)
-                    self.round_nonfinite += isinstance(exc, NonFiniteError)
-        self.round_asked += len(down)
-        self._log_failures(step, delivery)
+                    record.nonfinite += isinstance(exc, NonFiniteError)
+        record.asked += len(down)
+        log_failures(self.ledger, self.round + 1, step, delivery)
         self.privacy.trained(self.ledger, delivery)
         need = math.ceil(f.min_replies * len(down) - 1e-9)
         if len(delivery.arrived) < need:
@@ -273,10 +226,9 @@ class Rounds:
                 f"asked replied usably, faults.min_replies = {f.min_replies} needs {need} "
                 f"(failed: {delivery.failed[:20]}); the run stops before this round changes "
                 "anything on disk: resume it from its last checkpoint")
-        self.round_aggregated += len(delivery.arrived)
-        for reply in delivery.arrived.values():
-            if "train_loss" in reply.stats:
-                losses.append((reply.stats["train_loss"], reply.num_samples))
+        record.aggregated += len(delivery.arrived)
+        record.losses += [(r.stats["train_loss"], r.num_samples)
+                          for r in delivery.arrived.values() if "train_loss" in r.stats]
         return delivery
 
     def check_reply(self, cid: int, reply: ClientReply) -> None:
@@ -295,236 +247,27 @@ class Rounds:
         parent = self.federation.parent[cid]
         (self.server if parent == CLOUD else self.edges[parent]).check_reply(cid, msg)
 
-    def _log_failures(self, step: object, delivery: Delivery) -> None:
-        reasons = {**dict.fromkeys(delivery.dropped, "dropped (faults.drop_rate)"),
-                   **dict.fromkeys(delivery.late, f"late (past faults.deadline = "
-                                                  f"{delivery.deadline} s)"),
-                   **{c: f"no reply: {r}" for c, r in delivery.lost.items()},
-                   **{c: f"rejected: {r}" for c, r in delivery.rejected.items()}}
-        self.ledger.record_failures(self.round + 1, step, reasons)
-        for cid in sorted(reasons):
-            if cid in delivery.lost or cid in delivery.rejected:
-                log.warning("round %d: client %d failed: %s", self.round + 1, cid, reasons[cid])
-
-    def _star_round(self, rnd: int, selected: list[int]) -> tuple[dict, list]:
+    def _star_round(self, record: RoundRecord) -> None:
+        """The star's box: the server configures its participants, they train, the server
+        aggregates what arrived."""
+        rnd = record.round
         with self.flops.measure() as configure_flops:
-            down = self.server.configure(rnd, selected)
-        _check_keys(down, selected, f"round {rnd}", "clients")
-        losses: list = []
-        delivery = self._train(rnd, {cid: down[cid] for cid in selected}, losses)
+            down = self.server.configure(rnd, record.selected)
+        record.selected = selected = participants(down, record.selected, self.federation, rnd)
+        delivery = record.delivery = self._train(record, rnd, {cid: down[cid] for cid in selected})
         with self.flops.measure() as aggregate_flops:
             if delivery.arrived:  # a round nobody replied in leaves the server as it was
                 self.server.aggregate(rnd, self.privacy.replies(
                     rnd, CLOUD, down, {c: r.message for c, r in delivery.arrived.items()},
                     len(selected)))
-        sent_down = delivery.bytes_down(down, selected)
-        sent_up = delivery.bytes_up(selected)
-        self.ledger.count_clients(sent_down, sent_up)
-        if type(self.server).observe_traffic is not Server.observe_traffic:
-            self.server.observe_traffic(rnd, sent_down, sent_up)
-        costs = {}
-        if self.system is not None:
-            counting = self.counting
-            received = sorted(delivery.replies)
-            costs = self.system.round_costs(
-                received, sent_down, delivery.priced_up(received),
-                delivery.flops(received) if counting else None,
-                (configure_flops.flops or 0) + (aggregate_flops.flops or 0) if counting else None,
-                delivery.slowdown, delivery.late, delivery.deadline)
-        # only an algorithm that adapts to its devices' speed pays for the per-client times
-        if type(self.server).observe_times is not Server.observe_times:
-            times, compute = client_times(delivery, sent_down,
-                                          self.system if self.counting else None)
-            if times:
-                self.server.observe_times(rnd, times,
-                                          delivery.flops(sorted(times)) if self.counting else None,
-                                          compute=compute)
-        up, dn = sum(sent_up.values()), sum(sent_down.values())
-        row = {"round": rnd, "bytes_up": up, "bytes_down": dn, "clients": len(selected),
-               "clients_failed": len(delivery.failed),
-               "bytes_up_client": up, "bytes_down_client": dn,
-               "bytes_up_edge": 0, "bytes_down_edge": 0, "_costs": costs}
-        return row, losses
-
-    def _hierarchical_round(self, rnd: int, selected: list[int]) -> tuple[dict, list]:
-        """The hierarchy's box: the cloud configures its edges, each edge runs its edge
-        rounds over its clients, reports, and the cloud aggregates. ``book`` keeps the
-        accounts beside it (``EdgeBook``)."""
-        fed = self.federation
-        k2, edges = fed.edge_rounds, range(fed.edges)
-        # synchronous: every edge k2 edge rounds; asynchronous: as many as its speed allows
-        plan = (async_edge_rounds(self.ledger.edge_times, k2, self.ledger.edge_debt)
-                if self.asynchronous else [k2] * fed.edges)
-        active = [k for k in edges if plan[k] > 0]
-        # a busy edge's clients do not take part this period
-        selected = self._selected = [c for c in selected if plan[fed.parent[c]] > 0]
-        by_edge = {k: [c for c in selected if fed.parent[c] == k] for k in edges}
-        book = EdgeBook(self.flops, self.counting, self.ledger, edges)
-        with book.cloud():
-            down_e = self.server.configure(rnd, active)
-        _check_keys(down_e, active, f"round {rnd}", "edges")
-        book.sent_to_edges(down_e)
-        for k in active:  # an edge still busy with its last period takes no new model
-            with book.edge(k):
-                self.edges[k].receive(rnd, down_e[k].delivered())
-        losses: list = []
-        for s in range(1, max(plan, default=0) + 1):
-            working = [k for k in active if plan[k] >= s]
-            down: dict[int, Message] = {}
-            for k in working:
-                with book.edge(k):
-                    msgs = self.edges[k].configure(rnd, s, by_edge[k])
-                _check_keys(msgs, by_edge[k], f"round {rnd}, edge {k}, edge round {s}", "clients")
-                down.update(msgs)
-            # the client step seeds the clients' work: the same in both schedules up to k2
-            step = (rnd - 1) * k2 + s if s <= k2 else ("async", rnd, s)
-            clients = sorted(c for k in working for c in by_edge[k])
-            delivery = self._train(step, {c: down[c] for c in clients}, losses)
-            book.delivered(delivery)
-            for k in working:
-                mine = {c: delivery.arrived[c].message for c in by_edge[k] if c in delivery.arrived}
-                with book.edge(k):
-                    if mine:  # an edge none of whose clients replied stays as it was
-                        self.edges[k].aggregate(rnd, s, self.privacy.replies(
-                            step, k, down, mine, len(by_edge[k])))
-                book.edge_step(k, by_edge[k], down, delivery)
-        up_e: dict[int, Message] = {}
-        for k in edges:  # every edge reports what it holds; a busy one, its last model
-            with book.edge(k):
-                report = self.edges[k].report(rnd)
-            # a busy edge's model is the one it last uploaded: the cloud holds it already
-            book.reported(k, report, sent=plan[k] > 0)
-            up_e[k] = report.delivered()
-        with book.cloud():
-            if book.replied:  # a round nobody replied in leaves the cloud as it was
-                self.server.aggregate(rnd, up_e)
-        book.close()
-        row = {**book.row(rnd, len(selected)), "_costs": self._hierarchical_costs(book, plan)}
-        if self.asynchronous:
-            row["edge_rounds_min"], row["edge_rounds_max"] = min(plan), max(plan)
-            row["edges_busy"] = fed.edges - len(active)
-        return row, losses
-
-    def _hierarchical_costs(self, book: EdgeBook, plan: list[int]) -> dict:
-        """The round's simulated costs, and each edge's speed (its mean edge-round time
-        this period) and work in hand: the asynchronous plan's inputs."""
-        if self.system is None:
-            return {}
-        costs = self.system.hierarchical_costs(
-            {k: st for k, st in book.steps.items() if st}, book.backhaul_down, book.backhaul_up,
-            book.cloud_flops if self.counting else None)
-        if not self.asynchronous:
-            return costs
-        for k in (k for k in range(len(plan)) if plan[k] > 0):
-            times = [self.system.round_costs(st.selected, st.bytes_down, st.bytes_up,
-                                             st.flops_client, 0, st.slowdown, st.late,
-                                             st.deadline)["t_round"] for st in book.steps[k]]
-            if times:
-                self.ledger.edge_times[k] = float(np.mean(times))
-        self.ledger.edge_debt = async_debt(self.ledger.edge_times, self.federation.edge_rounds,
-                                           plan, self.ledger.edge_debt)
-        return costs
-
-    def eval_message(self, cid: int) -> Message | None:
-        """The cloud's evaluation message, with what the client's edge adds to it (an edge's
-        entries win where both name one)."""
-        msg = self.server.eval_message(cid)
-        parent = self.federation.parent[cid]
-        edge = self.edges[parent].eval_message(cid) if parent != CLOUD else None
-        if edge is None:
-            return msg
-        if msg is None:
-            return edge
-        return Message({**msg.tensors, **edge.tensors}, {**msg.meta, **edge.meta})
-
-    def evaluate(self, rnd: int) -> dict:
-        """Every client's personalized model on its own test split; the held-out clients
-        (``eval.new_clients``) apart, in ``acc_new_*`` (``evaluate_new``)."""
-        n = self.federation.num_clients
-        trained = self.federation.trained
-        figures = self.transport.evaluate(rnd, {cid: self.eval_message(cid) for cid in trained})
-        if self.held_out:  # not evaluated: out of every acc_* figure, as without test samples
-            figures = {cid: figures.get(cid, Figures(0, 0, math.nan)) for cid in range(n)}
-        counts = np.array([f.count for f in figures.values()])
-        accs = [f.correct / f.count if f.count else math.nan for f in figures.values()]
-        losses = [f.loss / f.count if f.count else math.nan for f in figures.values()]
-        row = accuracy_row(accs, losses, counts)
-        blown = diverged(accs, losses)
-        row["clients_diverged"] = float(len(blown))
-        if blown and not self._nonfinite_warned:
-            self._nonfinite_warned = True
-            log.warning("round %d: %d client(s) hold a model whose test loss is not finite "
-                        "(clients %s%s): their accuracy counts in acc_mean, their loss is left "
-                        "out of `loss`; metrics.csv counts them in clients_diverged", rnd,
-                        len(blown), ", ".join(map(str, blown[:8])),
-                        ", ..." if len(blown) > 8 else "")
-        row.update(self.server.evaluation_metrics(rnd, list(accs)))
-        row["acc_mean_selected"] = mean_over(accs, self._selected)
-        val_accs = None
-        if self.cfg.eval.validation:
-            val_row, val_accs = validation_row(list(figures.values()), self._selected)
-            row.update(val_row)
-        self.ledger.record_accuracy(accs, self._selected, val_accs)
-        row.update(named_rows(list(figures.values()), counts))
-        if self.held_out:
-            row.update(self.evaluate_new(rnd))
-        return row
-
-    def evaluate_new(self, rnd: int) -> dict:
-        """The held-out clients, each served what the server gives a stranger
-        (``Server.new_client_message``, with its edge's evaluation message in a hierarchy)
-        and adapted as its method would: ``acc_new_mean``, ``_weighted``, ``_std``,
-        ``_min`` and ``loss_new``; NaN where the method cannot serve one."""
-        if self.no_new_clients:
-            return {"acc_new_mean": math.nan, "acc_new_min": math.nan}
-        figures = self.transport.evaluate_new(
-            rnd, {cid: self._new_client_message(cid) for cid in self.held_out})
-        got = [figures[cid] for cid in self.held_out]
-        row = accuracy_row([f.correct / f.count if f.count else math.nan for f in got],
-                           [f.loss / f.count if f.count else math.nan for f in got],
-                           np.array([f.count for f in got]))
-        return {f"acc_new_{k[4:]}" if k.startswith("acc_") else f"{k}_new": v
-                for k, v in row.items()}
-
-    def _new_client_message(self, cid: int) -> Message | None:
-        """``eval_message``'s merge, with what the server gives a stranger."""
-        msg = self.server.new_client_message(cid)
-        parent = self.federation.parent[cid]
-        edge = self.edges[parent].eval_message(cid) if parent != CLOUD else None
-        if edge is None or msg is None:
-            return msg if edge is None else edge
-        return Message({**msg.tensors, **edge.tensors}, {**msg.meta, **edge.meta})
-
-    # -- the run's figures ----------------------------------------------------------------
-    def summary(self, **extra: Any) -> dict:
-        cfg, fed, ledger = self.cfg, self.federation, self.ledger
-        out = {
-            "algorithm": cfg.algorithm.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
-            "clients": fed.num_clients, "rounds": self.round, "seed": cfg.seed,
-            "participation": cfg.train.participation,
-            **accuracy_summary(self.metrics, self.client_acc),
-            **stop_summary(cfg.train.rounds, self.stopped),
-            **named_summary(self.metrics),
-            **new_client_summary(self.metrics, self.held_out, self.no_new_clients),
-            **validation_summary(self.metrics),
-            **protocol_summary(ledger, cfg.eval.statistic, cfg.eval.clients,
-                               validation=bool(cfg.eval.validation)),
-            **self.server.summary_figures(self.metrics),
-            **traffic_summary(ledger),
-            **self.privacy.summary(ledger, self.round),
-            "edges": fed.edges, "edge_rounds": fed.edge_rounds,
-            "clients_failed_total": int(ledger.failures.sum()),
-            "clients_failed_per_client": ledger.failures.tolist(),
-            "architectures": {a: fed.arch.count(a) for a in fed.architectures},
-            "wall_time_s": ledger.wall_time,
-        }
-        if self.system is not None:
-            out.update(cost_totals(self.metrics))
-        out["server_state_bytes"] = ledger.server_state_bytes
-        out.update(extra)
-        out.update({"model_params": self.parts.layers.numel, "layers": self.parts.layers.names,
-                    "edgepfl_version": __version__, "host": host_info()})
-        return out
+        if self.counting:
+            record.server_flops = (configure_flops.flops or 0) + (aggregate_flops.flops or 0)
+        record.bytes_down = down_ = delivery.bytes_down(down, selected)
+        record.bytes_up = up_ = delivery.bytes_up(selected)
+        up, dn = sum(up_.values()), sum(down_.values())
+        record.traffic = {"round": rnd, "bytes_up": up, "bytes_down": dn, "clients": len(selected),
+                          "clients_failed": len(delivery.failed), "bytes_up_client": up,
+                          "bytes_down_client": dn, "bytes_up_edge": 0, "bytes_down_edge": 0}
 
     # -- checkpoints ----------------------------------------------------------------------
     def save_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -553,18 +296,3 @@ class Rounds:
         self.server.load_state(under("server/"), meta.get("server", {}))
         for k, edge in enumerate(self.edges):
             edge.load_state(under(f"edge{k}/"), meta.get(f"edge{k}", {}))
-
-
-def _check_participants(chosen: list[int], num_clients: int, rnd: int) -> list[int]:
-    ids = list(chosen)
-    if (not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_clients
-            or not all(isinstance(c, int) for c in ids)):
-        raise ValueError(f"round {rnd}: the server chose participants {ids!r}; they must be "
-                         f"sorted, distinct client ids in 0..{num_clients - 1}, at least one")
-    return ids
-
-
-def _check_keys(messages: Mapping[int, Message], expected: list[int], where: str, what: str) -> None:
-    if set(messages) != set(expected):
-        raise MessageError(f"{where}: the algorithm configured {what} {sorted(messages)} but the "
-                           f"round selected {expected}")

@@ -17,7 +17,8 @@ from edgepfl.config import Config, FaultsConfig
 from edgepfl.engine.schedule import can_stop_early
 from edgepfl.errors import ConfigError, EdgepflError
 from edgepfl.federation.faults import draw_faults
-from edgepfl.federation.messages import Message
+from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.topology import Federation
 from edgepfl.system import SystemModel, late_clients
 
 log = logging.getLogger("edgepfl")
@@ -216,3 +217,24 @@ def client_times(delivery: Delivery, sent_down: dict[int, int], system: SystemMo
     measured = {c: float(delivery.replies[c].stats["train_s"]) for c in timed
                 if math.isfinite(delivery.replies[c].stats.get("train_s", math.nan))}
     return measured, dict(measured)
+
+
+def participants(down: Mapping[int, Message], sampled: list[int], fed: Federation,
+                  rnd: int) -> list[int]:
+    """The star round's participants: the clients the server configured, which must
+    include every sampled one and may add only clients that train."""
+    ids = list(down)
+    if (not ids or not all(isinstance(c, int) and not isinstance(c, bool) for c in ids)
+            or not set(sampled) <= set(ids) or not set(ids) <= set(fed.trained)):
+        raise MessageError(
+            f"round {rnd}: the algorithm configured clients {sorted(ids, key=str)[:20]} but "
+            f"the round selected {sampled}; a server messages every selected client and may "
+            f"add only clients that train (ids 0..{fed.num_clients - 1}, not held out by "
+            "eval.new_clients)")
+    return sorted(ids)
+
+
+def check_keys(messages: Mapping[int, Message], expected: list[int], where: str, what: str) -> None:
+    if set(messages) != set(expected):
+        raise MessageError(f"{where}: the algorithm configured {what} {sorted(messages)} but the "
+                           f"round selected {expected}")
