@@ -1,7 +1,9 @@
 """The algorithm contract: a server part and a client part that only exchange messages.
 
-* ``Server.configure`` says what each selected client receives this round;
-  ``Server.aggregate`` folds the replies into server state.
+* ``Server.configure`` says what each selected client receives this round (its keys are
+  the round's participants: the selection, or more where the protocol asks for more);
+  ``Server.aggregate`` folds the replies into server state. What a server reports beside
+  that (metrics columns, figures, files) it declares by inheriting ``Reporter``.
 * ``Client.update`` trains one client, given the message and that client's persistent
   state, and returns the reply and the new state. One ``Client`` object serves every
   simulated client, so it must keep no per-client memory of its own: everything a
@@ -23,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -261,15 +263,12 @@ class Server(Stateful, ABC):
         self.ctx = ctx
         self.hp = hp
 
-    def participants(self, rnd: int, sampled: list[int]) -> list[int]:
-        """The clients that train in round ``rnd``, given the engine's seeded sample
-        (``train.participation``): the sample itself, unless the algorithm's protocol
-        needs others (HMPL times every client in its first round to rank them all). Sorted
-        client ids, each once; a star's server only."""
-        return sampled
-
     @abstractmethod
-    def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]: ...
+    def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
+        """Each participant's message this round. ``selected`` is the engine's seeded sample
+        (``train.participation``); the keys are the round's participants: every selected
+        client, and in a star any other client that trains where the protocol needs it
+        (HMPL times every client in its first round: ``ctx.federation.trained``)."""
 
     @abstractmethod
     def aggregate(self, rnd: int, replies: dict[int, Message]) -> None: ...
@@ -297,24 +296,61 @@ class Server(Stateful, ABC):
         ``aggregate`` need not."""
         check_model_entries(self.ctx, cid, reply)
 
-    def observe_times(self, rnd: int, times: dict[int, float],
-                      flops: dict[int, int] | None = None,
-                      compute: dict[int, float] | None = None) -> None:
-        """After ``aggregate``: the round time in seconds of each client that replied, late
-        ones included (a late client's time is what made it late; refused replies are
-        not timed), simulated by
-        the system model in the simulation, its measured training time on Flower), for an
-        algorithm that adapts to its devices' speed (HMPL's tiers), where FLOPs are
-        counted (``system.count_flops``, the simulation) each one's local-training FLOPs,
-        and ``compute``: each one's training time alone (the simulation's compute time,
-        without the links; on Flower the same measured time). A star's server only."""
-        return None
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # what a server reports it declares by inheriting Reporter; a reporting method on a
+        # server that does not would never be called, and its figures would go missing
+        stray = sorted(REPORTS & set(vars(cls)))
+        if stray and not issubclass(cls, Reporter):
+            raise TypeError(f"{cls.__name__} defines {', '.join(stray)} but does not inherit "
+                            "edgepfl.algorithms.base.Reporter, through which the engine "
+                            "calls them: add Reporter to its bases")
 
-    def observe_traffic(self, rnd: int, down: dict[int, int], up: dict[int, int]) -> None:
-        """After ``aggregate``: the bytes that crossed each client's link this round as the
-        engine counts them (``down``: the messages delivered, none to a dropped client;
-        ``up``: the replies that reached the server, refused ones too), for an algorithm
-        that reports its own split of them (HMPL's per-tier bytes). A star's server only."""
+
+class RoundView(Protocol):
+    """What a ``Reporter`` may read of a round once its server (or edge) has aggregated:
+    the engine's record of it (``engine.record.RoundRecord``)."""
+
+    round: int
+    selected: list[int]
+    #: bytes that crossed each client's link as the engine counts them (``bytes_down``: the
+    #: messages delivered, none to a dropped client; ``bytes_up``: the replies that reached
+    #: the server, refused ones too); a star's clients only
+    bytes_down: dict[int, int]
+    bytes_up: dict[int, int]
+
+    def timing(self) -> Timing | None:
+        """Each client's round time (``Timing``): computed on first call, so only a
+        reporter that adapts to its devices' speed (HMPL's tiers) pays for it; None in a
+        hierarchy."""
+        ...
+
+
+@dataclass
+class Timing:
+    """The round time in seconds of each client that replied, late ones included (a late
+    client's time is what made it late; refused replies are not timed): simulated by the
+    system model in the simulation, its measured training time on Flower; ``compute``
+    each one's training time alone (the simulation's compute time, without the links; on
+    Flower the same measured time) and, where FLOPs are counted (``system.count_flops``,
+    the simulation), each one's local-training ``flops`` (else None)."""
+
+    times: dict[int, float]
+    compute: dict[int, float]
+    flops: dict[int, int] | None = None
+
+
+class Reporter:
+    """What a server (or edge) reports beside the protocol, as an observer of each round's
+    record: inherit it beside ``Server`` and override what you report. The engine calls
+    ``observe`` after every aggregation with the round's record, ``round_metrics`` for the
+    round's metrics row, ``evaluation_metrics`` in an evaluated round, ``summary_figures``
+    and ``write_artifacts`` when the run ends."""
+
+    def observe(self, record: RoundView) -> None:
+        """The round's record, after ``aggregate`` (what crossed each link, each client's
+        time): for a method that adapts to it (HMPL ranks its tiers by the times) or
+        reports its own split of it (HMPL's bytes per tier)."""
         return None
 
     def round_metrics(self) -> dict[str, float]:
@@ -335,6 +371,9 @@ class Server(Stateful, ABC):
         """Algorithm-specific files for the run directory (e.g. a relation-matrix heatmap),
         written when the run ends; use ``edgepfl.io`` so writes are atomic."""
         return None
+
+
+REPORTS = frozenset(n for n in vars(Reporter) if not n.startswith("_"))
 
 
 class Edge(Stateful, ABC):

@@ -41,6 +41,7 @@ from edgepfl.algorithms.base import (
     LogUniform,
     PersonalModelClient,
     PrivacySupport,
+    Reporter,
     SearchRange,
     Server,
     ServerContext,
@@ -133,7 +134,7 @@ def spectral_clusters(sim: torch.Tensor, k: int) -> list[int]:
 
 
 # -- server ----------------------------------------------------------------------------------
-class ClusterFLServer(Server):
+class ClusterFLServer(Server, Reporter):
     state: ClassVar[tuple[str, ...]] = ("w", "u", "z", "labels", "similarity", "clustered_ids",
                                         "clustered_at", "_residual")
 

@@ -38,6 +38,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     PersonalModelClient,
     PrivacySupport,
+    Reporter,
     SearchRange,
     Server,
     ServerContext,
@@ -312,7 +313,7 @@ def rdp_ended(losses: list[float], s: int, t_obv: int) -> bool:
 
 
 # -- server --------------------------------------------------------------------------------
-class DCPFLServer(Server):
+class DCPFLServer(Server, Reporter):
     # everything a resumed run needs: the stores and matrices as tensors, the phase
     # bookkeeping (scalars, groupings, losses, history, trials) as JSON values
     state: ClassVar[tuple[str, ...]] = (

@@ -26,6 +26,7 @@ from edgepfl.algorithms.base import (
     LogUniform,
     PersonalModelClient,
     PrivacySupport,
+    Reporter,
     SearchRange,
     Server,
     ServerContext,
@@ -90,7 +91,7 @@ def attention_weights(dist: torch.Tensor, alpha_k: float, sigma: float) -> torch
     return xi
 
 
-class FedAMPServer(Server):
+class FedAMPServer(Server, Reporter):
     state: ClassVar[tuple[str, ...]] = ("models",)  # every client's latest model, stacked
 
     def __init__(self, ctx: ServerContext, hp):

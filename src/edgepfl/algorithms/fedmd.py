@@ -44,6 +44,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     PersonalModelClient,
     PrivacySupport,
+    Reporter,
     Server,
     ServerContext,
     State,
@@ -211,7 +212,7 @@ def complete(cfg, hp: FedMDHyperparameters) -> FedMDHyperparameters:
 
 # -- server ------------------------------------------------------------------------------
 
-class FedMDServer(Server):
+class FedMDServer(Server, Reporter):
     # the consensus logits and the round whose subset they score (0: none yet); the
     # subset itself is derived from the seed and that round
     state: ClassVar[tuple[str, ...]] = ("consensus", "consensus_round")

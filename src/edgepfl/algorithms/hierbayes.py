@@ -83,6 +83,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     LogUniform,
     PrivacySupport,
+    Reporter,
     SearchRange,
     Server,
     ServerContext,
@@ -273,7 +274,7 @@ class _Level:
 
 
 # -- the three parts -------------------------------------------------------------------------
-class HierBayesCloud(_Level, Server):
+class HierBayesCloud(_Level, Server, Reporter):
     state = ("m0", "v0", "a_e", "b_e", "var_c", "round", "client_precision")
 
     def __init__(self, ctx: ServerContext, hp: HierBayesHyperparameters):

@@ -54,6 +54,8 @@ from edgepfl.algorithms.base import (
     ClientContext,
     Hyperparameters,
     PrivacySupport,
+    Reporter,
+    RoundView,
     Server,
     ServerContext,
     State,
@@ -299,7 +301,7 @@ def step_memory(stage: int, input_shape: tuple[int, int, int], classes: int,
 
 
 # -- the server ----------------------------------------------------------------------------
-class HMPLServer(Server):
+class HMPLServer(Server, Reporter):
     """The shared layers (BS and CP), every client's tier and the time thresholds."""
 
     state = ("shared", "tiers", "depths", "stopped", "times", "thresholds")
@@ -354,12 +356,10 @@ class HMPLServer(Server):
         return {n: self.shared[n] for n in shared_names(stage, self.dims)}
 
     # -- one round ------------------------------------------------------------------------
-    def participants(self, rnd: int, sampled: list[int]) -> list[int]:
-        if rnd == 1 and self.hp.first_round == "all":
-            return list(range(self.ctx.num_clients))
-        return sampled
-
     def configure(self, rnd: int, selected: list[int]) -> dict[int, Message]:
+        if rnd == 1 and self.hp.first_round == "all":  # every client is timed, to rank all
+            fed = self.ctx.federation
+            selected = fed.trained if fed is not None else list(range(self.ctx.num_clients))
         if rnd > 1 and self.thresholds is None and not self.reduced and not self._warned:
             self._warned = True
             log.warning("hmpl: no client's round time has been observed yet, so every client "
@@ -414,12 +414,15 @@ class HMPLServer(Server):
                 shared[n] = mean[n] if eta == 1.0 else self.shared[n] + eta * (mean[n] - self.shared[n])
         self.shared = shared
 
-    def observe_traffic(self, rnd: int, down: dict[int, int], up: dict[int, int]) -> None:
+    def observe(self, record: RoundView) -> None:
         # each tier's share of the links' bytes, by the model each client was sent
-        for direction, sent in (("down", down), ("up", up)):
+        for direction, sent in (("down", record.bytes_down), ("up", record.bytes_up)):
             for cid, nbytes in sent.items():
                 stage = self._sent.get(cid, self.stage_of(cid))
                 self._bytes[f"bytes_{direction}_{tier_name(stage)}"] += nbytes
+        timing = record.timing()
+        if timing is not None and timing.times:
+            self.observe_times(record.round, timing.times, timing.flops, compute=timing.compute)
 
     def observe_times(self, rnd: int, times: dict[int, float],
                       flops: dict[int, int] | None = None,

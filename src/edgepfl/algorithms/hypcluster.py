@@ -39,6 +39,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     IntRange,
     PrivacySupport,
+    Reporter,
     SearchRange,
     Server,
     ServerContext,
@@ -93,7 +94,7 @@ def split_hypotheses(msg: Message, names: list[str]) -> tuple[State | None, list
     return (init or None), [hyps[c] for c in range(len(hyps))]
 
 
-class HypClusterServer(Server):
+class HypClusterServer(Server, Reporter):
     state: ClassVar[tuple[str, ...]] = ("hypotheses", "centers", "center_clients", "assignment")
 
     def __init__(self, ctx: ServerContext, hp: HypClusterHyperparameters):

@@ -49,6 +49,7 @@ from edgepfl.algorithms.base import (
     LogUniform,
     PersonalModelClient,
     PrivacySupport,
+    Reporter,
     SearchRange,
     Server,
     ServerContext,
@@ -437,7 +438,7 @@ def layer_shapes(spec: LayerSpec, model: dict[str, torch.Tensor]) -> tuple[list[
 # ---------------------------------------------------------------------------------------
 # server
 # ---------------------------------------------------------------------------------------
-class KAPCServer(Server):
+class KAPCServer(Server, Reporter):
     """Relation cube, the clients' latest uploads, and the personalized regularizers."""
 
     bls = False

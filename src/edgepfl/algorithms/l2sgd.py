@@ -35,6 +35,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     PersonalModelClient,
     PrivacySupport,
+    Reporter,
     SearchRange,
     Server,
     ServerContext,
@@ -80,7 +81,7 @@ def floating(model: State) -> State:
     return {k: v for k, v in model.items() if v.is_floating_point()}
 
 
-class L2SGDServer(Server):
+class L2SGDServer(Server, Reporter):
     # x_bar of the latest round that had replies, and that round
     state = ("mean_model", "mean_round")
 

@@ -44,6 +44,7 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     LogUniform,
     PrivacySupport,
+    Reporter,
     SearchRange,
     Server,
     ServerContext,
@@ -206,7 +207,7 @@ def _check_buffers(buffers, where: str) -> None:
 
 
 # -- the two parts ---------------------------------------------------------------------------
-class PFedBayesServer(Server):
+class PFedBayesServer(Server, Reporter):
     state = ("mu", "rho", "round")
 
     def __init__(self, ctx: ServerContext, hp: PFedBayesHyperparameters):

@@ -28,6 +28,7 @@ from edgepfl.algorithms.base import (
     LogUniform,
     PersonalModelClient,
     PrivacySupport,
+    Reporter,
     SearchRange,
     Server,
     ServerContext,
@@ -87,7 +88,7 @@ class HyperNetwork(nn.Module):
         return torch.where(total > 0, raw / total.clamp_min(1e-12), own)
 
 
-class PFedLAServer(Server):
+class PFedLAServer(Server, Reporter):
     # the clients' latest models and every client's hypernetwork parameters (stacked)
     state: ClassVar[tuple[str, ...]] = ("models", "hn_params")
 

@@ -30,6 +30,7 @@ import torch
 
 from edgepfl import __version__
 from edgepfl.algorithms import ALGORITHMS
+from edgepfl.algorithms.base import Reporter
 from edgepfl.config import Config, build_config
 from edgepfl.engine.hooks import Hook
 from edgepfl.engine.ledger import METRIC_COLUMNS, Ledger, metric_columns
@@ -271,7 +272,7 @@ def _run_rounds(rounds: Rounds, out: Path | None, label: str, progress: bool | N
         rounds.check_trained()  # a run that aggregated nothing has no result to report
         summary = rounds.summary(**extra())
         if out is not None:
-            finish_run_dir(out, rounds.cfg, summary, rounds.server, rounds.metrics)
+            finish_run_dir(out, rounds.cfg, summary, rounds.reporters, rounds.metrics)
     except BaseException:
         # the trackers wait for after_summary() to end their runs: they would stay open
         for tracker in trackers:
@@ -300,10 +301,12 @@ def default_run_dir(cfg: Config, base: Path = Path("runs")) -> Path:
     return path
 
 
-def finish_run_dir(out: Path, cfg: Config, summary: dict, server, metrics: list[dict]) -> None:
+def finish_run_dir(out: Path, cfg: Config, summary: dict, reporters: Sequence[Reporter],
+                   metrics: list[dict]) -> None:
     """What a finished run writes: its summary, the algorithm's artifacts, the plot."""
     write_json(out / "summary.json", summary)
-    server.write_artifacts(out, cfg.output.plots)
+    for reporter in reporters:
+        reporter.write_artifacts(out, cfg.output.plots)
     if cfg.output.plots:
         from edgepfl.plotting import plot_accuracy
         plot_accuracy(metrics, out / "accuracy.png", f"{cfg.algorithm.name} on {cfg.dataset.name}")
