@@ -109,12 +109,10 @@ def tier_name(stage: int) -> str:
 
 
 FIRST_ROUND = Field(
-    "all", description="who trains round 1, whose times rank the clients into tiers: all = "
-    "every client, whatever train.participation (Sec. III-C: after the first round 'the "
-    "server collects the model and the running time of each device', so the tiers are "
-    "exactly tier_ratio of all clients); sampled = round 1's seeded sample like any round, "
-    "the rest tiered by the sample's two time thresholds when first timed (shares then "
-    "drift from tier_ratio)")
+    "all", description="who trains round 1, whose times rank the clients into tiers (Sec. "
+    "III-C): all = every client, whatever train.participation, so the tiers are exactly "
+    "tier_ratio of all clients; sampled = round 1's seeded sample, later clients tiered by "
+    "its time thresholds when first timed (shares then drift from tier_ratio)")
 
 
 class HMPLHyperparameters(Hyperparameters):
@@ -124,31 +122,25 @@ class HMPLHyperparameters(Hyperparameters):
                                         "growth_revert": False}
     first_round: Literal["all", "sampled"] = FIRST_ROUND
     generation: Literal["preserve", "shared", "random"] = Field(
-        "preserve", description="how the layers a tier adds to the Ord model start (Com's "
-        "ip_align, Sup's laterals and CP layer): preserve = derived from the Ord model so that "
-        "the new model computes what it did, as nearly as its shape allows (laterals zero, "
-        "cp_merge the identity, ip_align conv3's summed taps from the server's conv3), the "
-        "same for every client of a tier (Sec. III-D: 'all the personal models are generated "
-        "by an original model'); shared = one random draw per tier, seeded without the "
-        "client; random = a draw per client (runs before this setting); under com_align = "
-        "fit a Com client with training data refits ip_align before its first step, so "
-        "there this decides the Sup layers' start only")
+        "preserve", description="how the layers a tier adds to the Ord model (Com's "
+        "ip_align, Sup's laterals and CP layer) start: preserve = so the new model "
+        "computes what the Ord model did, as nearly as its shape allows (Sec. III-D); "
+        "shared = one random draw per tier; random = one per client. Under com_align = fit "
+        "it decides the Sup layers only")
     com_align: Literal["kept", "fit"] = Field(
-        "fit", description="a Com client's ip_align after its generation: kept = its own, "
-        "trained only on its own rounds while the shared layers around it move on; fit = "
-        "at the start of each of its rounds, refitted by least squares on align_images of "
-        "its images so that it gives the server's current conv3 (sent with the Com model, "
-        "about 1.2 MB) as nearly as a 1x1 convolution can, then trained as before (still "
-        "never sent). Sec. III-C1 adds the 1x1 layer 'to align the channel numbers'; "
-        "sending conv3 and refitting to it is this project's reading, not the paper's")
+        "fit", description="a Com client's ip_align: kept = its own from generation on, "
+        "trained only in its rounds; fit = at the start of each of its rounds refitted by "
+        "least squares on align_images of its images to the server's conv3 (sent with the "
+        "Com model, about 1.2 MB), then trained; never sent (this project's reading of "
+        "Sec. III-C1)")
     align_images: int = Field(
         64, ge=1, description="com_align = fit: how many of the client's training images "
         "(the first, in its own order) the aligner is fitted on")
     rank_by: Literal["compute", "round"] = Field(
         "compute", description="the time that ranks the clients into tiers and decides Sup "
         "growth: compute = the device's local training time of the round (simulation: the "
-        "system model's compute time, no link; Flower: the measured training time), as Table "
-        "III's device classes; round = download + compute + upload (runs before this setting)")
+        "system model's compute time; Flower: measured), as Table III's device classes; "
+        "round = download + compute + upload")
     tier_ratio: list[float] = Field(
         [0.3, 0.4, 0.3], min_length=3, max_length=3,
         description="shares of the clients, ranked by round-1 time, that become Com "
@@ -164,14 +156,11 @@ class HMPLHyperparameters(Hyperparameters):
         "upper", description="the time threshold a Sup model grows under (Sec. III-C2): "
         "upper = the Ord/Com one (the paper's 'upper time threshold'), lower = the Sup/Ord one")
     growth_revert: bool = Field(
-        True, description="what a Sup model does when its time at a stage exceeds the growth "
-        "bound: true = it goes back to the stage before, whose time was within the bound, "
-        "and stays there (keeping the shared layers it trained, its own lateral of the "
-        "dropped stage discarded), so that the model it keeps is within the bound (Sec. "
-        "III-C2: 'the model complexity is beyond tolerance ... the model will stop "
-        "expansion'); a model past the bound at stage 1, the Sup model's first, stays at "
-        "stage 1; false = it stops growing but keeps the stage that broke the bound (runs "
-        "before this setting)")
+        True, description="when a Sup model's time at a stage exceeds the growth bound: "
+        "true = it goes back to the stage before and stays (keeping the shared layers it "
+        "trained, dropping that stage's lateral), so its model is within the bound (Sec. "
+        "III-C2; at stage 1 it stays); false = it stops growing at the stage that broke "
+        "the bound")
 
     @field_validator("tier_ratio")
     @classmethod
