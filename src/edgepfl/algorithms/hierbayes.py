@@ -69,7 +69,7 @@ q_i itself (Eq. 31, no fit). docs/algorithms.md has the derivation of every upda
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 from pydantic import Field
@@ -113,7 +113,7 @@ from edgepfl.algorithms.hierbayes_blocks import (  # noqa: F401  (tests import t
 from edgepfl.algorithms.kit import STALENESS, check_model_reply, num_samples, staleness
 from edgepfl.algorithms.pulls import AdamDirection
 from edgepfl.errors import ConfigError
-from edgepfl.federation.messages import Message, MessageError
+from edgepfl.federation.messages import Message, MessageError, MetaValue
 from edgepfl.federation.rng import generator
 
 MEAN, PREC, PSI, PRIOR, VAR = "mean.", "prec.", "psi.", "prior.", "var."
@@ -142,9 +142,8 @@ class HierBayesHyperparameters(Hyperparameters):
         "b_p / a_p = prior_scale * mean(w_init^2), i.e. 1 / E[1/sigma^2] under the prior")
     prior_strength: float = Field(
         0.01, gt=0, description="a_p: pseudo-observations behind the prior variance (per "
-        "tensor with variance = layer, where the evidence is its coordinates x models); small, "
-        "so that the prior is a weak regulariser and the models' spread sets the precisions "
-        "(at 1, the prior still held small tensors, biases, and through them the edge level)")
+        "tensor under variance = layer, against its coordinates x models); small, so that "
+        "the prior is a weak regulariser and the models' spread sets the precisions")
     psi_prior_var: float = Field(1e4, gt=0, description="p(psi) = N(0, psi_prior_var): "
                                  "effectively flat by default (a unit variance shrinks the "
                                  "global mean towards 0 by 20% a round on small federations)")
@@ -163,10 +162,10 @@ class HierBayesHyperparameters(Hyperparameters):
         "phi ~ N(m_0, v_0 + E[sigma_e^2]) (Eq. 30); client, a new client's theta, adding "
         "E[sigma_c^2] (Algorithm 3's sampling line)")
     optimizer: Literal["sgd", "adam"] = Field(
-        "sgd", description="how clients fit m_i (and the test-time fit): sgd, train.lr with "
-        "the pull stepped implicitly (the paper's gradient steps); adam, torch Adam at train.lr "
-        "on the mean loss plus the explicit pull, moments fresh each fit (pFedBayes' optimizer, "
-        "for a comparison under one optimizer; train.momentum must be 0)")
+        "sgd", description="how clients fit m_i (and the test-time fit): sgd = train.lr, "
+        "the pull stepped implicitly (the paper's gradient steps); adam = torch Adam at "
+        "train.lr on the mean loss plus the pull, moments fresh each fit (pFedBayes' "
+        "optimizer; train.momentum must be 0)")
     personal_epochs: int = Field(1, ge=1, description="epochs of the test-time fit (part of "
                                  "the evaluation protocol, like the test itself: not round work)")
     staleness_exponent: float = Field(
@@ -174,40 +173,36 @@ class HierBayesHyperparameters(Hyperparameters):
         "edge none of whose clients' replies arrived in a cloud round (faults): an edge "
         "posterior s cloud periods old enters the cloud block with weight (1 + s)^-a")
     client_var: Literal["learned", "fixed"] = Field(
-        "learned", description="learned: q_i's variance is Eq. 24's optimum for the Gaussian "
-        "family, s_i^2 = 1 / (n_i h + lambda_k) per tensor, h the mean loss's curvature "
-        "(empirical Fisher of the fit's batches), sent with m_i; fixed: s_i = client_std "
-        "(FedHB's choice, under which the learned variances collapse: docs/algorithms.md)")
+        "learned", description="learned: q_i's variance is Eq. 24's Gaussian optimum, "
+        "s_i^2 = 1 / (n_i h + lambda_k) per tensor, h the empirical Fisher of the fit's "
+        "batches, sent with m_i; fixed: s_i = client_std (FedHB's choice; "
+        "docs/algorithms.md)")
     upper_blocks: Literal["joint", "sweep"] = Field(
-        "joint", description="joint: an edge reports its clients' mean and its precision, the "
-        "cloud solves the edge and cloud blocks (Eq. 25, 28) together to their fixed point, "
-        "and an edge re-solves its block when the cloud's posterior arrives; sweep: one pass, "
-        "each edge's posterior computed against the last cloud posterior (slower: edges are "
-        "shrunk towards a psi one cloud period old)")
+        "joint", description="joint: an edge reports its clients' mean and precision, the "
+        "cloud solves the edge and cloud blocks (Eq. 25, 28) together to their fixed "
+        "point, and an edge re-solves its block when the cloud's posterior arrives; sweep: "
+        "one pass, each edge against the last cloud posterior (slower)")
     client_init: Literal["edge", "local"] = Field(
         "edge", description="where a client's m_i starts each round: the edge mean m_k, or its "
         "own last m_i (Algorithm 2, step 7 allows both)")
     precision_start: Literal["data", "prior"] = Field(
-        "data", description="data (empirical Bayes): a level's variance is unknown until it has "
-        "seen its children, so the first fits run without a pull (E[1/sigma^2] = 0, the "
-        "maximum-likelihood start) and every precision after is Eq. 25 / 28's update from the "
-        "spread of the models the level sees, the IG prior one pseudo-observation per tensor "
-        "against its coordinates x models; prior: every level starts at the prior's mean "
-        "precision 1 / (prior_scale x mean square), from which the variational updates barely "
-        "move (a 100x prior_scale gave a ~100x lower learned precision: docs/algorithms.md)")
+        "data", description="data (empirical Bayes): the first fits run without a pull "
+        "(E[1/sigma^2] = 0, the maximum-likelihood start), each later precision is Eq. 25 "
+        "/ 28's update from the spread of the models the level sees; prior: every level "
+        "starts at the prior's mean precision 1 / (prior_scale x mean square) "
+        "(docs/algorithms.md)")
     weighting: Literal["equal", "samples"] = Field(
-        "equal", description="how an edge's clients (and the cloud's edges) enter the spread and "
-        "mean of Eq. 25 (Eq. 28): equal, one observation each, as the equations' sums over i "
-        "(over k) of log p(theta_i | phi_k) have it (the hierarchy models clients, not samples); "
-        "samples, weighted by training samples (HierFAVG's weighting; the count of observations "
-        "stays the number of clients, of edges)")
+        "equal", description="how an edge's clients (the cloud's edges) enter the mean and "
+        "spread of Eq. 25 (Eq. 28): equal = one observation each, as the equations' sums "
+        "have it (the hierarchy models clients, not samples); samples = weighted by "
+        "training samples (HierFAVG's), the count of observations still the number of "
+        "clients (edges)")
     edge_spread: Literal["joint", "product"] = Field(
-        "joint", description="upper_blocks = joint: how Eq. 28's q(sigma_e^2) takes the expected "
-        "spread E[(phi_k - psi)^2] of the edges about psi: joint, under the joint Gaussian "
-        "optimum of the edges and psi (their covariance kept; the fixed point is solved "
-        "directly, the random-effects REML estimate); product, under the product of q(phi_k) "
-        "and q(psi) (before issue 55's fix), which adds v_k + v_0 and holds sigma_e^2 at the "
-        "edges' own uncertainty / (K - 1) however close the edges agree (docs/algorithms.md)")
+        "joint", description="upper_blocks = joint: how Eq. 28's q(sigma_e^2) takes the "
+        "edges' spread E[(phi_k - psi)^2]: joint = under the joint Gaussian optimum of "
+        "edges and psi, covariance kept (random-effects REML); product = under q(phi_k) "
+        "q(psi), adding v_k + v_0, which holds sigma_e^2 near the edges' uncertainty / (K "
+        "- 1) (docs/algorithms.md)")
 
 
 def _one_edge(ctx: ServerContext) -> bool:
@@ -399,6 +394,7 @@ class HierBayesCloud(_Level, Server, Reporter):
 
 
 class HierBayesEdge(_Level, Edge):
+    ctx: EdgeContext
     state = ("m", "v", "a", "b", "ybar", "meas", "refreshed", "samples")
 
     def __init__(self, ctx: EdgeContext, hp: HierBayesHyperparameters):
@@ -470,7 +466,8 @@ class HierBayesEdge(_Level, Edge):
                 raise MessageError(f"client {cid}'s posterior variances {VAR!r} must be positive")
 
     def report(self, rnd: int) -> Message:
-        meta = {STALENESS: rnd - self.refreshed} if rnd > self.refreshed else {}
+        meta: dict[str, MetaValue] = ({STALENESS: rnd - self.refreshed}
+                                      if rnd > self.refreshed else {})
         if self.hp.weighting == "samples":
             meta["num_samples"] = self.samples
         first = (self.layout.model(self.ybar, YBAR) | self.layout.shared(self.meas, MEAS)
@@ -562,7 +559,7 @@ class HierBayesClient(Client):
     def predictive(self, cid: int, state: State, eval_msg: Message | None,
                    data: ClientData) -> dict[str, list[State]]:
         hp = self.hp
-        rnd = eval_msg.meta.get("round", 0) if eval_msg is not None else 0
+        rnd = cast(int, eval_msg.meta.get("round", 0)) if eval_msg is not None else 0
         mean = self.personal_model(state, eval_msg)
         if hp.personalize != "edge" and eval_msg is not None and rnd > 0:
             # Algorithm 3 / Eq. 33: f(theta) ~ p(theta | D_i, prior), fitted on the client's own
