@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 from pydantic import Field, model_validator
@@ -88,13 +88,11 @@ class KAPCHyperparameters(Hyperparameters):
     }
     lam: float = Field(0.1, ge=0, description=(
         "lambda: weight of the coaching term f_s in the client loss (Eq. 16) and in R's "
-        "objective (Eq. 11); the paper's ablation (Fig. 6) is centred on lambda = 1, which "
-        "measured at or under 0.1 in every Table 1 and IID setting tried (bench/LOG.md, "
-        "'Lambda 0.1 against 1, seed by seed'): set 1 for the paper's"))
+        "objective (Eq. 11); set 1 for the paper's ablation (Fig. 6), which is centred on "
+        "it (bench/LOG.md, 'Lambda 0.1 against 1, seed by seed')"))
     beta: float = Field(0.01, ge=0, description=(
-        "beta: pull of every relation vector towards 1/N (Eq. 11); Fig. 6 uses "
-        "beta/(2 lambda) = 0.005 at alpha = 0.1, i.e. beta = 0.01 at lambda = 1 (kept at "
-        "0.01 with the default lambda = 0.1, as measured)"))
+        "beta: pull of every relation vector towards 1/N (Eq. 11); Fig. 6's beta/(2 "
+        "lambda) = 0.005 is beta = 0.01 at lambda = 1"))
     r_lr: float = Field(0.01, ge=0, description="eta_r: learning rate of R (Sec. 7.1: 0.01)")
     r_epochs: int = Field(1, ge=0, description=(
         "E_r: projected gradient steps on R per round (Sec. 7.1: 1); 0 keeps R fixed"))
@@ -103,29 +101,27 @@ class KAPCHyperparameters(Hyperparameters):
         "beta term), random = uniform draw from the simplex per relation vector (seeded), "
         "self = one-hot on the client itself"))
     coaching_loss: Literal["squared", "l2"] = Field("squared", description=(
-        "f_s per layer: squared = ||s - w||^2 (the form the journal writes in Sec. 5.2 and "
-        "its smoothness assumption needs); l2 = ||s - w|| (plain norm) is refused with the "
-        "reason: an exact penalty that pins every client to its regularizer at lambda = 1"))
+        "f_s per layer: squared = ||s - w||^2 (Sec. 5.2, as its smoothness assumption "
+        "needs); l2 = ||s - w||, refused unless allow_plain_norm: an exact penalty that "
+        "pins every client to its regularizer at lambda = 1"))
     allow_plain_norm: bool = Field(False, description=(
         "lift the refusal of coaching_loss = l2, for ablations of the f_s form only (it "
         "trains only when lambda is below every layer's gradient norm); a warning says so"))
     init: Literal["shared", "per_client"] = Field("shared", description=(
-        "the clients' first models: shared = every client starts from the run's one initial "
-        "model (as FedAvg and the baselines do); per_client = each client from its own "
-        "seeded random draw, known to the server too (Algorithm 1: 'initialize and "
-        "distribute w_i^1 for client i')"))
+        "the clients' first models: shared = the run's one initial model (as FedAvg and "
+        "the baselines); per_client = each client's own seeded random draw, known to the "
+        "server (Algorithm 1)"))
     norm_layers: Literal["merged", "own"] = Field("merged", description=(
-        "what a layer of R, of BLS's prefix and of the bound (29) is: merged = a weight layer "
-        "with the normalisation layer after it (the paper's count: ResNet-18 has 21 layers, "
-        "Fig. 8), own = every module with parameters, a BatchNorm its own layer (41 on "
-        "ResNet-18); the same for models without normalisation layers"))
+        "what a layer of R, of BLS's prefix and of the bound (29) is: merged = a weight "
+        "layer with the normalisation layer after it (the paper's count: 21 on ResNet-18, "
+        "Fig. 8); own = every module with parameters (41 on ResNet-18); the same on models "
+        "without normalisation"))
     r_grad_scale: Literal["precondition", "sum", "spread"] = Field("precondition", description=(
         "how the R step is sized: precondition = eta_r divided per layer by the "
-        "participants' spread (mean squared distance to their mean), capped for stability: "
-        "the minimiser of Eq. 11 is unchanged, R reaches it within the paper's rounds; "
-        "sum = eta_r on the raw gradient (the paper's literal step, with which R hardly "
-        "leaves its start); spread = f_s alone in spread units (changes the minimiser "
-        "towards self-relations; the earlier default) (docs/algorithms.md)"))
+        "participants' mean squared distance to their mean, capped (Eq. 11's minimiser "
+        "unchanged); sum = eta_r on the raw gradient (the paper's literal step); spread = "
+        "f_s alone in spread units (moves the minimiser towards self-relations; "
+        "docs/algorithms.md)"))
 
     @model_validator(mode="after")
     def _refuse_plain_norm(self) -> KAPCHyperparameters:
@@ -173,19 +169,15 @@ class KAPCBLSHyperparameters(KAPCHyperparameters):
         "client-side layer selection (Algorithm 4); false uploads every layer (an ablation: "
         "server-side selection only)"))
     prefix_down: bool = Field(True, description=(
-        "send client i regularizer layers only within the prefix it uploaded last time: past "
-        "it the server holds a stale copy of the client's layer, and Eq. 20 (the partial "
-        "regularizer the bound (29) is derived for, tau^ = 0 past Omega, Eq. 25) coaches "
-        "those layers towards the client's own last weights instead; false sends every "
-        "layer of Eq. 34, stale copies included (the earlier behaviour, which with a low "
-        "Omega coaches the deep layers back towards their initial values)"))
+        "send client i regularizer layers only within the prefix it uploaded last time; "
+        "past it Eq. 20's partial regularizer (tau^ = 0 past Omega, Eq. 25, as the bound "
+        "(29) assumes) coaches them towards the client's own last weights; false = every "
+        "layer of Eq. 34, the server's stale copies included"))
     refresh_every: int = Field(0, ge=0, description=(
-        "staleness limit: a layer is uploaded at least every refresh_every selections of the "
-        "client (a layer left out of refresh_every - 1 uploads in a row is in the next one, "
-        "with the layers before it), which bounds how stale the server's copies that other "
-        "clients' regularizers and R use can be, and refreshes the bound's estimates B, tau "
-        "(Algorithm 4, lines 3-9, after the full upload); 0 = no limit (the paper's "
-        "Algorithm 4; measured: no accuracy gain for about 3x the upload bytes on cnn_small)"))
+        "staleness limit: a layer is uploaded at least every refresh_every selections of "
+        "the client (with the layers before it), which bounds how stale the server's "
+        "copies can be and refreshes the bound's estimates B, tau (Algorithm 4, lines "
+        "3-9); 0 = no limit (the paper's Algorithm 4)"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -444,6 +436,7 @@ class KAPCServer(Server, Reporter):
     bls = False
     # relation cube, the clients' latest uploads, whether an upload arrived since R last moved
     state: ClassVar[tuple[str, ...]] = ("R", "W", "fresh")
+    age: torch.Tensor  # KAPCBLSServer's (bls): per client and layer, uploads since its copy
 
     def __init__(self, ctx: ServerContext, hp: KAPCHyperparameters):
         super().__init__(ctx, hp)
@@ -490,7 +483,7 @@ class KAPCServer(Server, Reporter):
             # write the slice back with its mass kept: relations to clients absent this
             # round keep their values and every full relation vector still sums to 1
             self.R[rows, layers, cols] = torch.where(mass > 0, r * mass, sub)
-        messages, sent = {}, []
+        messages: dict[int, State] = {}
         for l_idx, params in enumerate(self.layer_params):
             send = torch.ones(n, dtype=torch.bool)
             if self.bls:
@@ -512,9 +505,8 @@ class KAPCServer(Server, Reporter):
                 for a, cid in enumerate(clients):
                     if send[a]:
                         messages.setdefault(cid, {})[p] = s[a]
-        for cid in clients:
-            tensors = messages.get(cid, {})
-            sent.append(sum(all(p in tensors for p in params) for params in self.layer_params))
+        sent = [sum(all(p in messages.get(cid, {}) for p in params) for params in self.layer_params)
+                for cid in clients]
         self._metrics = {"layers_down_mean": float(sum(sent)) / max(len(sent), 1),
                          # how far R has moved from sharing (1/N) towards self (1), Fig. 7
                          "relation_self_mean": float(torch.diagonal(self.R, dim1=0, dim2=2).mean())}
@@ -714,10 +706,9 @@ class KAPCClient(PersonalModelClient):
         ``age``): uploads of the client it received since it last received the layer."""
         L = len(self.spec)
         check_meta("the server", msg.meta, {"age": ints(0)})
-        age = msg.meta["age"]
-        if len(age) != L:  # type: ignore[arg-type]
-            raise MessageError(f"the server sent age for {len(age)} layers; "  # type: ignore[arg-type]
-                               f"the model has {L}")
+        age = cast(list[int], msg.meta["age"])  # check_meta: a list of integers
+        if len(age) != L:
+            raise MessageError(f"the server sent age for {len(age)} layers; the model has {L}")
         return torch.tensor(age, dtype=torch.int64)
 
     def _select_layers(self, state: State, trained: State, targets: list[torch.Tensor],
