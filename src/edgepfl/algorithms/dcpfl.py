@@ -27,7 +27,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import numpy as np
 import torch
@@ -90,15 +90,14 @@ class DCPFLHyperparameters(Hyperparameters):
     low_ratio: float = Field(0.1, ge=0, description="a layer is low-discrepancy below this fraction "
                                                     "of the reference discrepancy (Eq. 6: 0.1)")
     low_reference: Literal["total", "mean"] = Field(
-        "total", description="what Eq. 6 compares a layer's discrepancy against: total = the "
-        "sum over the model's layers (a layer is low when it holds under low_ratio of the "
-        "model's discrepancy); mean = the mean over layers, as Eq. 6 is printed, under which no "
-        "layer of lenet5 or cnn2 is ever low (docs/algorithms.md, 'DC-PFL')")
+        "total", description="what Eq. 6 compares a layer's discrepancy against: total = "
+        "the sum over the model's layers (a layer is low when it holds under low_ratio of "
+        "the whole); mean = the mean over layers, as Eq. 6 is printed (docs/algorithms.md, "
+        "'DC-PFL')")
     evaluate: Literal["group", "local"] = Field(
-        "group", description="predict with the client's model with the layers its group "
-        "aggregated this round laid over it (the paper's Fig. 3: DC-PFL tracks FedAvg while "
-        "one group holds every client), or (local) with the client's own model after its "
-        "latest local training, before any group average")
+        "group", description="group = predict with the client's model with the layers its "
+        "group aggregated this round laid over it (as the paper's Fig. 3); local = with "
+        "the client's own model after its latest local training, before any group average")
     fixed_gamma: float | None = Field(None, ge=0, le=1, description=(
         "NoDC ablation (paper Sec. V-D): cut the group graph once at this gamma~ after the "
         "warm-up and never split again (the paper uses 0.8); unset = dynamic clustering"))
@@ -388,7 +387,7 @@ class DCPFLServer(Server, Reporter):
             if not present or not names:
                 continue
             states = [{n: replies[c].tensors[prefix + n] for n in names} for c in present]
-            weights = [replies[c].meta["num_samples"] for c in present]
+            weights = [cast(int, replies[c].meta["num_samples"]) for c in present]
             if sum(weights) == 0:
                 continue
             avg = weighted_average(states, weights)
@@ -521,7 +520,7 @@ class DCPFLServer(Server, Reporter):
             self._finish_trial(rnd, replies)
             self._after(rnd)
             return
-        ups = {cid: r.meta["up"] for cid, r in replies.items()}
+        ups = {cid: cast(list[int], r.meta["up"]) for cid, r in replies.items()}  # check_reply
         for cid, reply in replies.items():
             self.uploads.set_row(cid, reply.tensors)
         names_of = {cid: self._up_names(up) for cid, up in ups.items()}
@@ -539,7 +538,8 @@ class DCPFLServer(Server, Reporter):
                     [all(p in names_of[cid] for p in self.ctx.layers.params_of(i))
                      for i in range(len(self.ctx.layers))])
         if replies:
-            self.losses.append(float(np.mean([float(r.meta["loss"]) for r in replies.values()])))
+            self.losses.append(float(np.mean([float(cast(float, r.meta["loss"]))
+                                              for r in replies.values()])))
             # l(t) of Eq. 4, the curve whose bends end the rapid-decrease periods
             self._metrics["rdp_loss"] = self.losses[-1]
         self._metrics["layers_up_mean"] = float(np.mean([len(u) for u in ups.values()])) if ups else 0.0
@@ -605,8 +605,10 @@ class DCPFLServer(Server, Reporter):
             self.mode = SYNC
 
     def _finish_trial(self, rnd: int, replies: dict[int, Message]) -> None:
-        l0 = float(np.mean([float(r.meta["loss0"]) for r in replies.values()])) if replies else 0.0
-        l1 = float(np.mean([float(r.meta["loss1"]) for r in replies.values()])) if replies else 0.0
+        l0 = (float(np.mean([float(cast(float, r.meta["loss0"])) for r in replies.values()]))
+              if replies else 0.0)
+        l1 = (float(np.mean([float(cast(float, r.meta["loss1"])) for r in replies.values()]))
+              if replies else 0.0)
         accept = l0 > l1  # the paper's rule: evolve only if the mean loss decreases
         self.trials.append((rnd, self.proposal_gamma, l0, l1, int(accept)))
         prefix = "m1." if accept else "m0."

@@ -80,11 +80,11 @@ class FedALAHyperparameters(Hyperparameters):
     rand_percent: int = Field(80, ge=1, le=100, description="share s in percent of the "
                               "client's training samples, drawn at random each round, that W "
                               "is learned on (the paper and PFLlib: 80)")
-    layer_idx: int = Field(1, ge=1, description="top layers p adaptively aggregated: the last "
-                           "layer_idx parameterised layers as LayerSpec counts them (weight "
-                           "and bias together, a BatchNorm module is one), 1 = the classifier "
-                           "(PFLlib's default layer_idx = 2 counts its weight and bias "
-                           "tensors); the layers below take the global model as is")
+    layer_idx: int = Field(1, ge=1, description="top layers p adaptively aggregated: the "
+                           "last layer_idx parameterised layers as LayerSpec counts them "
+                           "(weight and bias together); 1 = the classifier (PFLlib's "
+                           "layer_idx = 2, which counts tensors); the layers below take "
+                           "the global model as is")
     threshold: float = Field(0.1, gt=0, description="the start phase ends when the standard "
                              "deviation of the last num_pre_loss epochs' losses is below this "
                              "(PFLlib: 0.1)")

@@ -35,11 +35,11 @@ from edgepfl.federation.rng import generator
 
 class FedAvgHyperparameters(Hyperparameters):
     evaluate: Literal["global", "local", "finetune"] = Field(
-        "global", description="predict with the global model (FedAvg as published), with the "
-        "client's own model after its latest local training (how several pFL papers report "
-        "FedAvg/FedProx), or (finetune) with the global model fine-tuned at test time for "
-        "finetune_epochs on the client's training data, every client alike (hierbayes' and "
-        "pfedbayes' personalize = fit protocol, for comparisons under one protocol)")
+        "global", description="global = predict with the global model (FedAvg as "
+        "published); local = with the client's model after its latest local training (as "
+        "several pFL papers report FedAvg); finetune = with the global model fine-tuned at "
+        "test time for finetune_epochs on the client's training data (hierbayes' "
+        "personalize = fit protocol)")
     finetune_epochs: int = Field(1, ge=1, description="epochs of the test-time fine-tuning "
                                  "under evaluate = finetune (part of the evaluation protocol)")
 

@@ -61,10 +61,9 @@ class FedDynHyperparameters(Hyperparameters):
                          "-<grad_i, theta> + alpha/2 ||theta - theta_server||^2, >= 0 with "
                          "train.lr * alpha < 2; 0 = FedAvg (no regulariser, no correction)")
     weighting: Literal["samples", "uniform"] = Field(
-        "samples", description="how the server averages the clients' models: samples (by "
-        "each client's sample count, as edgepfl's FedAvg, so that FedDyn and FedAvg differ "
-        "only by the regulariser) or uniform (Algorithm 1's plain mean over the "
-        "participants); h is always Algorithm 1's 1/m sum over all m clients")
+        "samples", description="how the server averages the clients' models: samples = by "
+        "sample count, as edgepfl's FedAvg; uniform = Algorithm 1's plain mean over the "
+        "participants; h is always Algorithm 1's 1/m sum over all m clients")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ pull) unless ``pull = "explicit"``. docs/algorithms.md has the details and the d
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -98,11 +98,10 @@ class PFedBayesHyperparameters(Hyperparameters):
     mc_samples: int = Field(4, ge=1, description="Monte Carlo draws of each predictive "
                             "(personal and global) at evaluation")
     personalize: Literal["kept", "fit"] = Field(
-        "kept", description="what a client is scored on: kept, the personal q_i it keeps "
-        "between rounds (the paper's; a client never selected keeps its initial q_i); fit, a "
-        "q_i fitted at test time from the current global distribution for personal_epochs on "
-        "the client's training data, the global fixed (hierbayes' protocol: every client "
-        "scored the same way, selected lately or not)")
+        "kept", description="what a client is scored on: kept = the personal q_i it keeps "
+        "between rounds (the paper's; a client never selected keeps its initial q_i); fit "
+        "= a q_i fitted at test time from the current global distribution, held fixed, for "
+        "personal_epochs on its training data (hierbayes' protocol)")
     personal_epochs: int = Field(1, ge=1, description="epochs of the test-time fit under "
                                  "personalize = fit (part of the evaluation protocol)")
 
@@ -398,7 +397,7 @@ class PFedBayesClient(Client):
 
     def predictive(self, cid: int, state: State, eval_msg: Message | None,
                    data: ClientData) -> dict[str, list[State]]:
-        rnd = eval_msg.meta.get("round", 0) if eval_msg is not None else 0
+        rnd = cast(int, eval_msg.meta.get("round", 0)) if eval_msg is not None else 0
         mu_i, rho_i = self._distribution(state, "client state")
         if eval_msg is not None:
             mu, rho = self._distribution(eval_msg.tensors, "evaluation message")
@@ -418,7 +417,7 @@ class PFedBayesClient(Client):
         if msg is None:
             raise MessageError("a new pfedbayes client is fitted from the global distribution, "
                                "but none was given")
-        rnd = msg.meta.get("round", 0)
+        rnd = cast(int, msg.meta.get("round", 0))
         mu, rho = self._distribution(msg.tensors, "new-client message")
         mu_i, rho_i = self._test_time_fit(cid, rnd, mu, rho, data)
         return self._draws(mu_i, rho_i, generator(self.ctx.seed, "mc", rnd))

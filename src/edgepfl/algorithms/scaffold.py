@@ -59,9 +59,8 @@ class ScaffoldHyperparameters(Hyperparameters):
                          "mean(y_i - x); > 0, the paper's experiments use 1 (then the new "
                          "global model is the clients' mean, FedAvg's)")
     weighting: Literal["samples", "uniform"] = Field(
-        "samples", description="how the clients' models are averaged: samples (by each "
-        "client's sample count, as edgepfl's FedAvg, so that SCAFFOLD and FedAvg differ "
-        "only by the control variates) or uniform (Algorithm 1's plain mean over S); the "
+        "samples", description="how the clients' models are averaged: samples = by sample "
+        "count, as edgepfl's FedAvg; uniform = Algorithm 1's plain mean over S; the "
         "control variate c is always Algorithm 1's c + 1/N sum Delta c_i")
 
 
