@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from pydantic import Field
@@ -139,7 +139,7 @@ class HypClusterServer(Server, Reporter):
             return
         members: dict[int, dict[int, Message]] = {}
         for cid, reply in replies.items():
-            c = reply.meta.get(CLUSTER, 0)  # with k = 1 there is no choice to report
+            c = cast(int, reply.meta.get(CLUSTER, 0))  # with k = 1 there is no choice to report
             members.setdefault(c, {})[cid] = reply
             self.assignment[cid] = c
         for c, group in sorted(members.items()):
