@@ -600,7 +600,8 @@ class Algorithm:
     # fills in hyperparameters whose defaults depend on the rest of the configuration
     # (FedMD's public data set: the other of MNIST and Fashion-MNIST), so that the resolved
     # config states them: (config, parsed hyperparameters) -> complete hyperparameters
-    complete: Callable[[Any, Hyperparameters], Hyperparameters] | None = None
+    # (Any: each algorithm's own Hyperparameters class, which the callable takes)
+    complete: Callable[[Any, Any], Hyperparameters] | None = None
     # the differential privacy it takes (privacy.level), and why it refuses the rest
     privacy: PrivacySupport = PrivacySupport(refused="its privacy has not been reviewed")
     # why it cannot serve a client that never trained (eval.new_clients): a method whose

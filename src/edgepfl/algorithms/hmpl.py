@@ -43,7 +43,7 @@ import logging
 import math
 from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from pydantic import Field, field_validator
@@ -72,9 +72,16 @@ from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_entries, check_message
 from edgepfl.federation.rng import derive_seed
 from edgepfl.models.hmpl import SUP_MAX_DEPTH, fitted_align, layer_role, preserving_start
-from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, check_stage, stage_model
+from edgepfl.models.hmpl_tiers import (
+    COM,
+    ORD,
+    STAGE,
+    STAGES,
+    check_stage,
+    stage_model,
+    tier_module,
+)
 from edgepfl.models.memory import training_step_bytes
-from edgepfl.models.zoo import MODELS
 
 log = logging.getLogger("edgepfl")
 
@@ -108,7 +115,7 @@ def tier_name(stage: int) -> str:
     return "com" if stage == COM else "ord" if stage == ORD else "sup"
 
 
-FIRST_ROUND = Field(
+FIRST_ROUND: Any = Field(
     "all", description="who trains round 1, whose times rank the clients into tiers (Sec. "
     "III-C): all = every client, whatever train.participation, so the tiers are exactly "
     "tier_ratio of all clients; sampled = round 1's seeded sample, later clients tiered by "
@@ -186,7 +193,7 @@ class HMPLSHyperparameters(Hyperparameters):
 @cache
 def _tier_entries(stage: int, in_channels: int, num_classes: int) -> tuple[tuple[str, torch.Tensor], ...]:
     with torch.device("meta"):  # names, shapes and dtypes only
-        model = MODELS[stage_model(stage)][0](in_channels, num_classes)
+        model = tier_module(stage, in_channels, num_classes)
     return tuple((n, p.detach()) for n, p in model.named_parameters())
 
 
@@ -285,7 +292,7 @@ def step_memory(stage: int, input_shape: tuple[int, int, int], classes: int,
                 batch: int) -> dict[str, int]:
     """``models.memory.training_step_bytes`` of the tier model of ``stage``."""
     with torch.random.fork_rng(devices=[]):  # the run's generator is left as it was
-        model = MODELS[stage_model(stage)][0](input_shape[0], classes)
+        model = tier_module(stage, input_shape[0], classes)
     return training_step_bytes(model, input_shape, batch)
 
 
@@ -293,7 +300,8 @@ def step_memory(stage: int, input_shape: tuple[int, int, int], classes: int,
 class HMPLServer(Server, Reporter):
     """The shared layers (BS and CP), every client's tier and the time thresholds."""
 
-    state = ("shared", "tiers", "depths", "stopped", "times", "thresholds")
+    state: ClassVar[tuple[str, ...]] = ("shared", "tiers", "depths", "stopped", "times",
+                                        "thresholds")
     reduced: ClassVar[bool] = False  # HMPL_S: every client Ord, FedAvg's mean
 
     def __init__(self, ctx: ServerContext, hp: HMPLHyperparameters | HMPLSHyperparameters):
@@ -306,20 +314,21 @@ class HMPLServer(Server, Reporter):
         roles = ("bs",) if self.reduced else ("bs", "cp")
         self.shared: State = {p: v.clone() for p, v in params.items() if layer_role(p) in roles}
         n = ctx.num_clients
-        self.preserve = not self.reduced and hp.generation == "preserve"
+        full = None if self.reduced else cast(HMPLHyperparameters, hp)
+        self.preserve = full is not None and full.generation == "preserve"
         if self.preserve:
             # no client trains the CP layer before a Sup model exists, so setting it here
             # is setting it at every Sup model's generation from the Ord model
             self.shared.update(preserving_start("cp_merge", self.shared))
-            # only preserve keeps this, so runs of the other modes resume as they were saved
-            self.state = (*self.state, "aligned")
-        if not self.reduced:
-            self.state = (*self.state, "sup_times")
+        # per run, what its settings keep: only preserve keeps aligned, so runs of the other
+        # modes resume as they were saved
+        self.state = (*self.state, *(("aligned",) if self.preserve else ()),  # type: ignore[misc]
+                      *(() if self.reduced else ("sup_times",)))
         # a Com client whose reply on the Com model has arrived: it holds its aligner, so
         # conv3 (what the aligner is derived from) no longer goes with its model
         self.aligned = [False] * n
         # com_align = fit: every Com round carries conv3, what the aligner is fitted to
-        self.refit = not self.reduced and hp.com_align == "fit"
+        self.refit = full is not None and full.com_align == "fit"
         # None: not ranked yet (the client trains the Ord model)
         self.tiers: list[str | None] = ["ord" if self.reduced else None] * n
         self.depths = [0] * n  # a Sup client's depth: the one it is told next
@@ -545,7 +554,7 @@ class HMPLServer(Server, Reporter):
         out["tiers"] = {t: sum(1 for x in self.tiers if (x or "ord") == t) for t in TIER_NAMES}
         out["tier_thresholds"] = self.thresholds
         # each tier's mean accuracy in the last evaluated round (None: no client in it)
-        last = next((r for r in reversed(metrics) if "acc_mean_ord" in r
+        last: dict[str, Any] = next((r for r in reversed(metrics) if "acc_mean_ord" in r
                      and not math.isnan(r.get("acc_mean", math.nan))), {})
         out["acc_mean_tier_final"] = {t: _finite(last.get(f"acc_mean_{t}")) for t in TIER_NAMES}
         out["tier_costs"] = self.tier_summary(metrics)
@@ -612,7 +621,7 @@ class HMPLClient(Client):
     def trainer_at(self, stage: int) -> Trainer:
         if stage not in self._trainers:
             with torch.device("meta"):  # its weights are loaded before every use
-                model = MODELS[stage_model(stage)][0](*self.dims)
+                model = tier_module(stage, *self.dims)
             device = self.trainer.device
             self._trainers[stage] = Trainer(model.to_empty(device=device),
                                             self.trainer.eval_batch_size,
@@ -630,7 +639,7 @@ class HMPLClient(Client):
         if mode == "preserve":
             return preserving_start(layer, ordinary or {})
         with torch.device("meta"):
-            module = MODELS[stage_model(stage)][0](*self.dims).get_submodule(layer)
+            module = tier_module(stage, *self.dims).get_submodule(layer)
         module.to_empty(device="cpu")
         who = (cid,) if mode == "random" else ()
         with torch.random.fork_rng(devices=[]):

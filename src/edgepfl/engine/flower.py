@@ -589,7 +589,7 @@ class FlowerTransport(Transport):
             log.info("client %d is back on node %s", cid, node)
             self.nodes[cid] = node
 
-    def train(self, step: int, messages: dict[int, Message]
+    def train(self, step: object, messages: dict[int, Message]
               ) -> dict[int, ClientReply | ClientFailure]:
         self.refresh()
         replies = _exchange(self.grid, self.nodes,

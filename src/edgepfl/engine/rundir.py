@@ -394,7 +394,8 @@ def _with_run_path(config: dict, cfg: Config) -> dict:
     another folder has replaced (``data_path_as_run``); partition.json checks the data."""
     data = config.get("dataset")
     was = data.get("path") if isinstance(data, dict) else None
-    if not isinstance(was, str) or Path(was).expanduser().is_absolute():
+    if (not isinstance(data, dict) or not isinstance(was, str)
+            or Path(was).expanduser().is_absolute()):
         return config
     return {**config, "dataset": {**data, "path": cfg.dataset.path}}
 

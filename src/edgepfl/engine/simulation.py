@@ -134,7 +134,7 @@ class InProcess(Transport):
                     f"the clients' state ({fed.num_clients} clients x {row / 1e6:.2f} MB)")
             self.store.set_row(cid, state)
 
-    def train(self, step: int,
+    def train(self, step: object,
               messages: dict[int, Message]) -> dict[int, ClientReply | ClientFailure]:
         keys: dict[int, tuple] = {}
         # with a time limit even one client trains in a worker, where it can be stopped

@@ -111,7 +111,7 @@ class Transport(ABC):
     serves_new_clients: bool = False
 
     @abstractmethod
-    def train(self, step: int, messages: dict[int, Message]
+    def train(self, step: object, messages: dict[int, Message]
               ) -> dict[int, ClientReply | ClientFailure]:
         """Deliver ``messages`` (client -> what it receives) for client step ``step`` (the
         round in a star; (round - 1) * k2 + edge round in a hierarchy, which seeds the
@@ -186,6 +186,7 @@ def deliver(transport: Transport, f: FaultsConfig, seed: int, system: SystemMode
                         deadline=f.deadline,
                         lost={c: str(r) for c, r in got.items() if isinstance(r, ClientFailure)})
     if f.deadline is not None:
+        assert system is not None  # check_runtime: a deadline needs the system model's clock
         late: set[int] = set()
         for cell in (cells if cells is not None else [list(down)]):
             mine = [c for c in cell if c in replies]

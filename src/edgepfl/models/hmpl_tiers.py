@@ -38,6 +38,16 @@ def stage_model(stage: int) -> str:
     return sup_model_name(stage)
 
 
+def tier_module(stage: int, in_channels: int, num_classes: int) -> nn.Module:
+    """The tier model of ``stage``, as the zoo builds ``stage_model(stage)``; of any image
+    size (its SPP takes every size)."""
+    if stage == COM:
+        return HMPLCom(in_channels, num_classes)
+    if stage == ORD:
+        return HMPLOrd(in_channels, num_classes)
+    return HMPLSup(in_channels, num_classes, depth=check_stage(stage))
+
+
 def check_stage(stage: object) -> int:
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
         raise ValueError(f"HMPL stage {stage!r}; valid: -1 (Com), 0 (Ord), 1..{SUP_MAX_DEPTH} "
