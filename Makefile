@@ -22,6 +22,7 @@ demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
 
 # The tests that compare two computations within a float tolerance (marked tolerance, in
 # these files) run once more on AVX2 kernels, so that a tolerance that holds only on an
@@ -45,4 +46,4 @@ bench: setup
 	$(PY) bench/speed/throughput.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache
