@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import logging
 import math
-from functools import cache
-from pathlib import Path
 from typing import Any, ClassVar, Literal, cast
 
 import torch
@@ -54,7 +52,6 @@ from edgepfl.algorithms.base import (
     ClientContext,
     Hyperparameters,
     PrivacySupport,
-    Reporter,
     RoundView,
     Server,
     ServerContext,
@@ -62,7 +59,7 @@ from edgepfl.algorithms.base import (
     UpdateResult,
 )
 from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.hmpl_report import TIER_NAMES, _finite, write_tiers
+from edgepfl.algorithms.hmpl_report import BYTE_COLUMNS, TierReports, tier_costs
 from edgepfl.algorithms.kit import num_samples
 from edgepfl.algorithms.sgd import FitRequest
 from edgepfl.algorithms.trainer import Trainer
@@ -78,10 +75,10 @@ from edgepfl.models.hmpl_tiers import (
     STAGE,
     STAGES,
     check_stage,
-    stage_model,
     tier_module,
+    tier_name,
+    tier_params,
 )
-from edgepfl.models.memory import training_step_bytes
 
 log = logging.getLogger("edgepfl")
 
@@ -93,10 +90,6 @@ PAPER = ("Zhang, Gong, Gao, Qin, Wang, Lin and Wang, Device-Performance-Driven H
 # model", so that an Ord round costs what FedAvg's does
 TIER, DEPTH = "tier", "depth"
 NUM_SAMPLES = "num_samples"
-BYTE_COLUMNS = tuple(f"bytes_{d}_{t}" for d in ("up", "down") for t in TIER_NAMES)
-# per round, per tier, over the clients that trained their tier's model: how many, their
-# mean round time (s) and mean counted local-training FLOPs
-COST_COLUMNS = tuple(f"{k}_{t}" for t in TIER_NAMES for k in ("trained", "time", "flops"))
 UNION = "hmpl_tiers"  # the model hmpl runs on
 # what a Com model's aligner is derived from under generation = "preserve" (and fitted to
 # under com_align = "fit")
@@ -109,10 +102,6 @@ def align_batches(data: ClientData, count: int) -> list[torch.Tensor]:
     if data.boxes is None:
         return [data.select(pos)[0]]
     return [data.select(pos[group])[0] for group in shape_groups(data.boxes[pos])]
-
-
-def tier_name(stage: int) -> str:
-    return "com" if stage == COM else "ord" if stage == ORD else "sup"
 
 
 FIRST_ROUND: Any = Field(
@@ -190,18 +179,6 @@ class HMPLSHyperparameters(Hyperparameters):
 
 
 # -- the tier models ----------------------------------------------------------------------
-@cache
-def _tier_entries(stage: int, in_channels: int, num_classes: int) -> tuple[tuple[str, torch.Tensor], ...]:
-    with torch.device("meta"):  # names, shapes and dtypes only
-        model = tier_module(stage, in_channels, num_classes)
-    return tuple((n, p.detach()) for n, p in model.named_parameters())
-
-
-def tier_params(stage: int, dims: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """The tier model's parameters (meta tensors: names, shapes, dtypes) in its order."""
-    return dict(_tier_entries(stage, *dims))
-
-
 def shared_names(stage: int, dims: tuple[int, int]) -> list[str]:
     """What a client of ``stage`` receives and sends back: its BS and CP layers."""
     return [n for n in tier_params(stage, dims) if layer_role(n) != "ip"]
@@ -270,34 +247,8 @@ def _round_half_up(x: float) -> int:
     return math.floor(x + 0.5 + 1e-9)
 
 
-def tier_costs(times: dict[int, float], flops: dict[int, int] | None,
-               tiers: list[str | None], sent: dict[int, int]) -> dict[str, float]:
-    """One round's ``COST_COLUMNS``: per tier, the timed clients that trained their own
-    tier's model (not a ranked client's round-1 Ord model), their mean time and FLOPs
-    (NaN: none; FLOPs NaN where not counted, as on Flower)."""
-    out: dict[str, float] = {}
-    for tier in TIER_NAMES:
-        mine = [c for c in sorted(times)
-                if tiers[c] == tier and tier_name(sent.get(c, ORD)) == tier]
-        out[f"trained_{tier}"] = len(mine)
-        out[f"time_{tier}"] = sum(times[c] for c in mine) / len(mine) if mine else math.nan
-        out[f"flops_{tier}"] = (sum(flops[c] for c in mine) / len(mine)
-                                if mine and flops is not None and all(c in flops for c in mine)
-                                else math.nan)
-    return out
-
-
-@cache
-def step_memory(stage: int, input_shape: tuple[int, int, int], classes: int,
-                batch: int) -> dict[str, int]:
-    """``models.memory.training_step_bytes`` of the tier model of ``stage``."""
-    with torch.random.fork_rng(devices=[]):  # the run's generator is left as it was
-        model = tier_module(stage, input_shape[0], classes)
-    return training_step_bytes(model, input_shape, batch)
-
-
 # -- the server ----------------------------------------------------------------------------
-class HMPLServer(Server, Reporter):
+class HMPLServer(Server, TierReports):
     """The shared layers (BS and CP), every client's tier and the time thresholds."""
 
     state: ClassVar[tuple[str, ...]] = ("shared", "tiers", "depths", "stopped", "times",
@@ -514,82 +465,6 @@ class HMPLServer(Server, Reporter):
         # every shared layer: the client takes its tier's, and the Ord model of the BS
         # layers is the global prediction (evaluation is not counted)
         return Message(self.shared)
-
-    def round_metrics(self) -> dict[str, float]:
-        if self.reduced:
-            return {}
-        counts = {f"clients_{t}": 0 for t in TIER_NAMES}
-        for tier in self.tiers:  # a client not ranked yet trains the Ord model
-            counts[f"clients_{tier or 'ord'}"] += 1
-        costs = self._costs or tier_costs({}, None, self.tiers, {})
-        return {**self._bytes, **counts, "sup_depth_max": self.sup_depth_max(),
-                "sup_depth_trained": self._trained_depth, **costs}
-
-    def sup_depth_max(self) -> int:
-        """The deepest stage a Sup client is told to hold next (0: no Sup client); one
-        above what it trained where it grew in its last round (``sup_depth_trained`` is the
-        deepest stage a reply was trained on)."""
-        return max((d for t, d in zip(self.tiers, self.depths, strict=True) if t == "sup"),
-                   default=0)
-
-    def evaluation_metrics(self, rnd: int, client_acc: list[float]) -> dict[str, float]:
-        """``acc_mean_com``, ``acc_mean_ord``, ``acc_mean_sup``: the unweighted mean
-        accuracy over the clients the server has put in each tier (one not ranked yet
-        counts as Ord, as ``clients_ord`` counts it); NaN for a tier without an evaluated
-        client (before the ranking, Com and Sup)."""
-        if self.reduced:
-            return {}
-        out = {}
-        for tier in TIER_NAMES:
-            mine = [a for a, t in zip(client_acc, self.tiers, strict=True)
-                    if (t or "ord") == tier and not math.isnan(a)]
-            out[f"acc_mean_{tier}"] = sum(mine) / len(mine) if mine else math.nan
-        return out
-
-    def summary_figures(self, metrics: list[dict]) -> dict[str, Any]:
-        if self.reduced:
-            return {}
-        out: dict[str, Any] = {f"{k}_total": int(sum(r.get(k, 0) for r in metrics))
-                               for k in BYTE_COLUMNS}
-        out["tiers"] = {t: sum(1 for x in self.tiers if (x or "ord") == t) for t in TIER_NAMES}
-        out["tier_thresholds"] = self.thresholds
-        # each tier's mean accuracy in the last evaluated round (None: no client in it)
-        last: dict[str, Any] = next((r for r in reversed(metrics) if "acc_mean_ord" in r
-                     and not math.isnan(r.get("acc_mean", math.nan))), {})
-        out["acc_mean_tier_final"] = {t: _finite(last.get(f"acc_mean_{t}")) for t in TIER_NAMES}
-        out["tier_costs"] = self.tier_summary(metrics)
-        return out
-
-    def tier_summary(self, metrics: list[dict]) -> dict[str, dict[str, Any]]:
-        """Per tier, over the run: client-rounds trained on the tier's model, their mean round
-        time and counted FLOPs (None where none was timed or counted), and what one SGD step
-        of the tier's model holds (weights, gradients, saved activations) on a batch of
-        ``train.batch_size`` whole images; a Sup model at the deepest stage a client trained
-        (runs from before ``sup_depth_trained``: the deepest it was told to hold)."""
-        out: dict[str, dict[str, Any]] = {}
-        trained = [r["sup_depth_trained"] for r in metrics if "sup_depth_trained" in r]
-        sup = max(trained, default=0) if trained else self.sup_depth_max()
-        kept = [d for d, _ in map(self.kept, range(len(self.tiers))) if d is not None]
-        if self.hp.growth_revert and kept:
-            sup = max(kept)  # a reverted model's dropped stage is not the model it keeps
-        for tier, stage in (("com", COM), ("ord", ORD), ("sup", max(sup, 1))):
-            n = sum(r.get(f"trained_{tier}", 0) for r in metrics)
-            figures: dict[str, Any] = {"client_rounds": n, "stage_model": stage_model(stage)}
-            for key in ("time", "flops"):
-                rows = [(r[f"trained_{tier}"], r[f"{key}_{tier}"]) for r in metrics
-                        if r.get(f"trained_{tier}") and math.isfinite(r.get(f"{key}_{tier}", math.nan))]
-                total = sum(k for k, _ in rows)
-                figures[f"{key}_mean"] = sum(k * v for k, v in rows) / total if total else None
-            figures["params"] = sum(v.numel() for v in tier_params(stage, self.dims).values())
-            if self.ctx.input_shape is not None:
-                figures["step_memory_bytes"] = step_memory(stage, self.ctx.input_shape,
-                                                           self.dims[1], self.ctx.train.batch_size)
-            out[tier] = figures
-        return out
-
-    def write_artifacts(self, out_dir: Path, plots: bool) -> None:
-        write_tiers(self, out_dir, plots)
-
 
 class HMPLSServer(HMPLServer):
     reduced = True

@@ -19,6 +19,8 @@ FedAvg) on ``hmpl_ord`` start from the same shared model.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
 
@@ -46,6 +48,22 @@ def tier_module(stage: int, in_channels: int, num_classes: int) -> nn.Module:
     if stage == ORD:
         return HMPLOrd(in_channels, num_classes)
     return HMPLSup(in_channels, num_classes, depth=check_stage(stage))
+
+
+def tier_name(stage: int) -> str:
+    return "com" if stage == COM else "ord" if stage == ORD else "sup"
+
+
+@cache
+def _tier_entries(stage: int, in_channels: int, num_classes: int) -> tuple[tuple[str, torch.Tensor], ...]:
+    with torch.device("meta"):  # names, shapes and dtypes only
+        model = tier_module(stage, in_channels, num_classes)
+    return tuple((n, p.detach()) for n, p in model.named_parameters())
+
+
+def tier_params(stage: int, dims: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """The tier model's parameters (meta tensors: names, shapes, dtypes) in its order."""
+    return dict(_tier_entries(stage, *dims))
 
 
 def check_stage(stage: object) -> int:
