@@ -102,7 +102,9 @@ def test_the_cli_threads_option_is_the_setting(tmp_path):
     out = tmp_path / "run"
     base = ["run", "--quiet", "--out", str(out), "--set", "dataset.name=synthetic",
             "--set", "partition.clients=3", "--set", "train.rounds=1",
-            "--set", "output.plots=false"]
+            "--set", "output.plots=false",
+            # the setting is under test, not the training: one small epoch is enough
+            "--set", "train.local_epochs=1", "--set", "dataset.fraction=0.25"]
     result = runner.invoke(main, [*base, "--threads", "2"])
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["train"]["threads"] == 2
