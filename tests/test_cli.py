@@ -8,8 +8,11 @@ from click.testing import CliRunner
 
 from edgepfl.cli import main
 
+# what these tests check is the command line's handling, never how well a run learns: one
+# local epoch on a quarter of the synthetic set (the default is 5 epochs on all of it)
 FAST = ["--set", "dataset.name=synthetic", "--set", "partition.clients=4", "--set",
-        "train.rounds=2", "--set", "output.plots=false", "--quiet"]
+        "train.rounds=2", "--set", "output.plots=false", "--set", "train.local_epochs=1",
+        "--set", "dataset.fraction=0.25", "--quiet"]
 
 
 def invoke(*args):
@@ -55,8 +58,8 @@ def test_run_writes_a_run_directory_and_prints_the_summary(tmp_path):
 
 def test_run_reads_a_toml_config(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[dataset]\nname = "synthetic"\n[partition]\nclients = 3\n'
-                   '[train]\nrounds = 1\n[algorithm]\nname = "fedprox"\nmu = 0.5\n'
+    cfg.write_text('[dataset]\nname = "synthetic"\nfraction = 0.25\n[partition]\nclients = 3\n'
+                   '[train]\nrounds = 1\nlocal_epochs = 1\n[algorithm]\nname = "fedprox"\nmu = 0.5\n'
                    '[output]\nplots = false\n')
     res = invoke("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet")
     assert res.exit_code == 0, res.output
@@ -182,7 +185,8 @@ def test_resume_with_more_rounds_extends_the_run(tmp_path):
 def test_resume_with_the_config_file_again_does_not_extend_the_run(tmp_path):
     """A config file without train.rounds must not extend a run to the default 50."""
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[dataset]\nname = "synthetic"\n[partition]\nclients = 4\n[output]\nplots = false\n')
+    cfg.write_text('[dataset]\nname = "synthetic"\nfraction = 0.25\n[partition]\nclients = 4\n'
+                   '[train]\nlocal_epochs = 1\n[output]\nplots = false\n')
     out = tmp_path / "r"
     assert invoke("run", str(cfg), "--set", "train.rounds=2", "--out", str(out), "--quiet").exit_code == 0
     res = invoke("run", str(cfg), "--resume", str(out), "--quiet")
