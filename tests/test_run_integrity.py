@@ -123,7 +123,8 @@ def test_the_lock_is_reentrant_in_a_process_and_removes_a_directory_it_made(tmp_
 
 # -- 2. no success without training ---------------------------------------------------------
 FAST = ["--set", "dataset.name=synthetic", "--set", "partition.clients=6",
-        "--set", "train.batch_size=32", "--set", "output.plots=false"]
+        "--set", "train.batch_size=32", "--set", "output.plots=false",
+        "--set", "train.local_epochs=1"]  # the default 5 epochs: nothing here needs them
 
 
 def test_a_run_whose_every_reply_was_rejected_exits_non_zero_with_the_reason(tmp_path):

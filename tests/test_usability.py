@@ -7,8 +7,10 @@ from click.testing import CliRunner
 
 from edgepfl.cli import main
 
+# the command line is under test, not the training: one local epoch on a quarter of the set
 FAST = ["--set", "dataset.name=synthetic", "--set", "partition.clients=3", "--set",
-        "train.rounds=1", "--set", "output.plots=false", "--quiet"]
+        "train.rounds=1", "--set", "output.plots=false", "--set", "train.local_epochs=1",
+        "--set", "dataset.fraction=0.25", "--quiet"]
 
 
 def invoke(*args):
