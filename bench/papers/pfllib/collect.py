@@ -9,7 +9,9 @@ each cell is the mean ± sample std (ddof 1) over the three runs. PFLlib's entry
 any training) is left out. PFLlib's Ditto appends two entries a round to ``rs_test_acc``
 (the global model's, then the personal models'): they are told apart here and the
 personal models' figures are compared (edgepfl's Ditto evaluates the personal models).
-edgepfl's unweighted client mean (``acc_mean``) is given beside for reference.
+edgepfl's unweighted client mean (``acc_mean``) is given beside for reference. The gap
+column compares the best-round means with the seeds' spread, sqrt(sd_PFLlib^2 +
+sd_edgepfl^2), and gives Welch's two-sided t-test p over the three pairs of runs (scipy).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import csv
 import math
 from pathlib import Path
 from statistics import mean, stdev
+
+from scipy.stats import ttest_ind
 
 METHODS = {"FedAvg": "fedavg", "FedPer": "fedper", "Ditto": "ditto", "FedRep": "fedrep",
            "APFL": "apfl", "SCAFFOLD": "scaffold", "FedDyn": "feddyn", "FedALA": "fedala"}
@@ -29,7 +33,7 @@ def read(path: Path, column: str) -> list[float]:
 
 
 def pfllib_curve(runs: Path, method: str, seed: int, rounds: int) -> list[float] | None:
-    path = runs / "pfllib" / f"{method}_{seed}.csv"
+    path = runs / f"{method}_{seed}.csv"
     if not path.is_file():
         return None
     acc = read(path, "acc_weighted")
@@ -56,8 +60,8 @@ def cell(values: list[float]) -> str:
     return "n/a" if math.isnan(m) else f"{100 * m:.2f} ± {100 * s:.2f} (n={len(values)})"
 
 
-def row(method: str, runs: Path, rounds: int, seeds: list[int]) -> list[str]:
-    p = [c for s in seeds if (c := pfllib_curve(runs, method, s, rounds))]
+def row(method: str, runs: Path, rounds: int, seeds: list[int], pfl: str) -> list[str]:
+    p = [c for s in seeds if (c := pfllib_curve(runs / pfl, method, s, rounds))]
     e = [c for s in seeds if (c := edgepfl_curve(runs, method, s, "acc_weighted"))]
     u = [c for s in seeds if (c := edgepfl_curve(runs, method, s, "acc_mean"))]
     pb, eb = [max(c) for c in p], [max(c) for c in e]
@@ -65,7 +69,7 @@ def row(method: str, runs: Path, rounds: int, seeds: list[int]) -> list[str]:
     spread = math.hypot(sp, se)
     flag = "n/a" if math.isnan(spread) else (
         f"{100 * (me - mp):+.2f} ({'beyond' if abs(me - mp) > spread else 'within'} "
-        f"{100 * spread:.2f})")
+        f"{100 * spread:.2f}; p = {ttest_ind(pb, eb, equal_var=False).pvalue:.2f})")
     return [method, cell(pb), cell(eb), cell([c[-1] for c in p]), cell([c[-1] for c in e]),
             flag, cell([max(c) for c in u]), cell([c[-1] for c in u])]
 
@@ -75,14 +79,18 @@ def main() -> None:
     ap.add_argument("--runs", default="/work/pfllib-runs")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--pfllib-dir", default="pfllib", help="PFLlib's CSVs under --runs "
+                    "(a diagnostic run's folder, e.g. pfllib_keeplast)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     args = ap.parse_args()
     runs = Path(args.runs)
     print("| method | PFLlib best | edgepfl best | PFLlib final | edgepfl final | "
           "edgepfl - PFLlib, best (vs seed spread) | edgepfl unweighted best | "
           "edgepfl unweighted final |")
     print("|---|---|---|---|---|---|---|---|")
-    for method in METHODS:
-        print("| " + " | ".join(row(method, runs, args.rounds, args.seeds)) + " |")
+    for method in args.methods:
+        print("| " + " | ".join(row(method, runs, args.rounds, args.seeds, args.pfllib_dir))
+              + " |")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,17 @@ the eight methods compared (FedAvg, FedPer, Ditto, FedRep, APFL, SCAFFOLD, FedDy
 it only for the ResNet/GoogLeNet models), ``cvxpy`` (FedPAC), ``matplotlib`` (DLG attack
 plots) and ``calmsize`` (the memory report printed at the end). They are replaced by empty
 stand-in modules in this process only (``calmsize.size`` returns the number unchanged).
+
+``--keep-last-batch`` (a diagnostic, off by default) replaces PFLlib's training loader,
+``DataLoader(train_data, batch_size, drop_last=True, shuffle=True)``, by the same with
+``drop_last=False`` (edgepfl's client batches: a short last batch is trained on), so that
+that one difference between the two projects can be measured alone.
+
+``--squared-feddyn`` (a diagnostic, off by default) loads PFLlib's
+``flcore/clients/clientdyn.py`` with its penalty ``alpha/2 * torch.norm(v1 - w, 2)``
+rewritten in this process as ``alpha/2 * torch.norm(v1 - w, 2) ** 2``, the paper's
+``alpha/2 ||theta - theta^{t-1}||^2``; nothing else of the file changes and the file on
+disk is left as it is.
 """
 from __future__ import annotations
 
@@ -45,6 +56,33 @@ def install_stubs() -> None:
     sys.modules["matplotlib"].pyplot = sys.modules["matplotlib.pyplot"]
 
 
+def keep_last_batch() -> None:
+    """PFLlib's clients train on their short last batch too (drop_last=False)."""
+    from flcore.clients.clientbase import Client
+    from torch.utils.data import DataLoader
+    from utils.data_utils import read_client_data
+
+    def load_train_data(self, batch_size=None):
+        batch_size = self.batch_size if batch_size is None else batch_size
+        data = read_client_data(self.dataset, self.id, is_train=True, few_shot=self.few_shot)
+        return DataLoader(data, batch_size, drop_last=False, shuffle=True)
+
+    Client.load_train_data = load_train_data
+
+
+def squared_feddyn(system: Path) -> None:
+    """PFLlib's FedDyn client with the squared norm in its penalty (see the docstring)."""
+    path = system / "flcore" / "clients" / "clientdyn.py"
+    text = path.read_text()
+    norm = "torch.norm(v1 - self.global_model_vector, 2)"
+    if text.count(norm) != 2:
+        raise SystemExit(f"{path}: expected the penalty {norm!r} twice")
+    module = types.ModuleType("flcore.clients.clientdyn")
+    module.__file__ = str(path)
+    exec(compile(text.replace(norm, f"{norm} ** 2"), str(path), "exec"), module.__dict__)
+    sys.modules[module.__name__] = module
+
+
 def option(argv: list[str], short: str, long: str, default: str) -> str:
     for i, a in enumerate(argv[:-1]):
         if a in (short, long):
@@ -57,6 +95,10 @@ def main() -> None:
     ap.add_argument("--pfllib", required=True)
     ap.add_argument("--dataset", required=True, help="folder name under PFLlib's dataset/")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--keep-last-batch", action="store_true",
+                    help="diagnostic: PFLlib's training loader keeps its short last batch")
+    ap.add_argument("--squared-feddyn", action="store_true",
+                    help="diagnostic: FedDyn's penalty with the squared norm")
     ap.add_argument("argv", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     argv = [a for a in args.argv if a != "--"]
@@ -64,6 +106,10 @@ def main() -> None:
     install_stubs()
     os.chdir(system)
     sys.path.insert(0, str(system))
+    if args.keep_last_batch:
+        keep_last_batch()
+    if args.squared_feddyn:
+        squared_feddyn(system)
     sys.argv = [str(system / "main.py"), "-data", args.dataset, *argv]
     runpy.run_path(str(system / "main.py"), run_name="__main__")
 
