@@ -7,8 +7,8 @@ import torch
 
 from edgepfl.algorithms import ALGORITHMS, ServerContext, get_algorithm
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.config import TrainConfig
+from edgepfl.contract.kit import proximal_hook
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average

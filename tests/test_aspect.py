@@ -11,9 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.heterofl import HeteroFLClient
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import build_config
 from edgepfl.data.aspect import PAPER_RATIOS, Crops, crop_size, cut, parse_ratios
 from edgepfl.engine.parts import load_federation, resolve
@@ -22,6 +20,8 @@ from edgepfl.errors import ConfigError
 from edgepfl.federation.rng import generator
 from edgepfl.models import MODELS, zoo
 from edgepfl.models import width as width_slicing
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.trainer import Trainer
 from tests.conftest import fast_config, without_wall
 
 PAPER = 'dataset.aspect_ratios=["16:9", "4:3", "1:1", "3:4", "9:16"]'

@@ -557,9 +557,9 @@ def test_fedproto_defaults_are_the_papers():
 # -- pFedLA -------------------------------------------------------------------------------
 
 def _pfedla_server(hn_lr: float, clients: int = 3):
-    from edgepfl.algorithms.base import ServerContext
     from edgepfl.algorithms.pfedla import PFedLAHyperparameters, PFedLAServer
     from edgepfl.config import TrainConfig
+    from edgepfl.contract.algorithm import ServerContext
     from edgepfl.models import LayerSpec
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
@@ -620,9 +620,9 @@ def test_pfedla_hypernetwork_steps_in_the_descent_direction():
 def test_pfedla_hypernetwork_learns_from_trainable_parameters_only():
     """BatchNorm running statistics are combined with the layer weights too, but a change
     in them alone must not move the hypernetwork."""
-    from edgepfl.algorithms.base import ServerContext
     from edgepfl.algorithms.pfedla import PFedLAHyperparameters, PFedLAServer
     from edgepfl.config import TrainConfig
+    from edgepfl.contract.algorithm import ServerContext
     from edgepfl.models import LayerSpec
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))

@@ -7,8 +7,6 @@ import math
 import pytest
 import torch
 
-from edgepfl.algorithms.base import states_fit
-from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.clusterfl import ClusterFLClient
 from edgepfl.algorithms.dcpfl import DCPFLClient
 from edgepfl.algorithms.fedamp import FedAMPClient
@@ -19,17 +17,19 @@ from edgepfl.algorithms.fedprox import FedProxClient
 from edgepfl.algorithms.heterofl import HeteroFLClient
 from edgepfl.algorithms.hmpl import HMPLClient, HMPLSClient
 from edgepfl.algorithms.kapc import KAPCBLSClient, KAPCClient
-from edgepfl.algorithms.kit import proximal_hook
 from edgepfl.algorithms.moon import MOONClient
 from edgepfl.algorithms.perfedavg import PerFedAvgClient, PerFedAvgHFClient
 from edgepfl.algorithms.pfedla import PFedLAClient
 from edgepfl.algorithms.pfedme import PFedMeClient
-from edgepfl.algorithms.pulls import Pull
-from edgepfl.algorithms.sgd import FitRequest
-from edgepfl.algorithms.trainer import Trainer
+from edgepfl.contract.algorithm import states_fit
+from edgepfl.contract.kit import proximal_hook
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.models import build_model
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.pulls import Pull
+from edgepfl.training.sgd import FitRequest
+from edgepfl.training.trainer import Trainer
 from tests.conftest import fast_config, without_wall
 
 # every test here compares two computations: run again on AVX2 kernels by make test

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from edgepfl.errors import ConfigError
-from edgepfl.report.compare import compare
+from edgepfl.experiments.compare import compare
 from tests.conftest import fast_config
 
 

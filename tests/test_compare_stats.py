@@ -8,14 +8,14 @@ import pytest
 
 from edgepfl.config import build_config
 from edgepfl.errors import ConfigError, EdgepflError
-from edgepfl.report import stats
-from edgepfl.report.compare import (
+from edgepfl.experiments.compare import (
     COMPARISON_COLUMNS,
     RUN_COLUMNS,
     comparison_markdown,
     pick_reference,
     with_statistics,
 )
+from edgepfl.report import stats
 
 T_975_2 = 4.302652729911275  # Student's t, 97.5% quantile, 2 degrees of freedom (tables: 4.303)
 T_975_1 = 12.706204736174698  # 1 degree of freedom (tables: 12.706)
@@ -169,7 +169,7 @@ def test_markdown_of_one_seed_shows_no_spread_and_no_interval():
 
 # -- the sweep's grid ---------------------------------------------------------------------
 def test_grid_values_are_read_as_toml_like_set():
-    from edgepfl.report.sweep import parse_grid
+    from edgepfl.experiments.sweep import parse_grid
 
     grid = parse_grid(["train.lr=0.01,0.05", "algorithm.name=fedavg,fedprox",
                        'dataset.aspect_ratios=["16:9", "1:1"],["4:3"]',
@@ -189,7 +189,7 @@ def test_grid_values_are_read_as_toml_like_set():
     (["train.lr=0.1,0.2"], ["train.lr=0.3"], ["--set train.lr"]),
 ])
 def test_bad_grids_are_refused_naming_the_value(items, overrides, words):
-    from edgepfl.report.sweep import parse_grid
+    from edgepfl.experiments.sweep import parse_grid
 
     with pytest.raises(EdgepflError) as info:
         parse_grid(items, overrides)
@@ -198,7 +198,7 @@ def test_bad_grids_are_refused_naming_the_value(items, overrides, words):
 
 
 def test_run_directories_are_named_from_the_varied_values():
-    from edgepfl.report.sweep import point_names
+    from edgepfl.experiments.sweep import point_names
 
     assert point_names(["train.lr", "partition.alpha"], [(0.01, 0.1), (0.05, 1.0)]) == [
         "lr=0.01+alpha=0.1", "lr=0.05+alpha=1.0"]
@@ -211,7 +211,7 @@ def test_run_directories_are_named_from_the_varied_values():
 
 
 def test_every_grid_point_is_validated_before_a_run_and_errs_as_set_does():
-    from edgepfl.report.sweep import plan_sweep
+    from edgepfl.experiments.sweep import plan_sweep
 
     base = build_config({}, ["dataset.name=synthetic"])
     with pytest.raises(ConfigError) as by_set:

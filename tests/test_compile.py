@@ -5,12 +5,12 @@ momentum, weight decay and frozen parameters as eagerly."""
 import pytest
 import torch
 
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import proximal_hook
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import build_config
+from edgepfl.contract.kit import proximal_hook
 from edgepfl.errors import ConfigError
 from edgepfl.models import build_model
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.trainer import Trainer
 
 
 def _data(n: int = 47) -> ClientData:

@@ -105,7 +105,7 @@ def test_fmnist_shapes_counts_and_normalisation(fmnist):
 def test_batches_are_normalised_as_the_whole_array_would_be(mnist):
     """Pixels stay uint8 and each batch is normalised as it is cut, with the arithmetic of
     normalising the whole array at load time: the same values, bit for bit."""
-    from edgepfl.algorithms.client_data import ClientData
+    from edgepfl.training.client_data import ClientData
 
     assert mnist.x_train.element_size() == 1
     idx = torch.tensor([5, 0, 59999, 123])

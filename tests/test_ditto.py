@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from edgepfl.algorithms import ALGORITHMS, get_algorithm
-from edgepfl.algorithms.base import model_from_state
+from edgepfl.contract.algorithm import model_from_state
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from tests.conftest import fast_config, resumed_and_straight, without_wall

@@ -146,7 +146,7 @@ def test_resumed_run_gives_identical_metrics(tmp_path):
 
 
 def test_batched_clients_give_the_sequential_run(monkeypatch):
-    from edgepfl.algorithms.trainer import Trainer
+    from edgepfl.training.trainer import Trainer
     from tests.test_batch_clients import assert_same_run
 
     batched, fit_many = [], Trainer.fit_many

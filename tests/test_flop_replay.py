@@ -9,13 +9,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-import edgepfl.algorithms.trainer as training
+import edgepfl.training.trainer as training
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.engine.simulation import Simulation
 from edgepfl.federation.accounting import counted_once, not_counted
 from edgepfl.system.flops import FlopMeter
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.trainer import Trainer
 from tests.conftest import fast_config
 
 EXTRA = {"hierfavg": ["topology.edges=2", "topology.edge_rounds=2"],

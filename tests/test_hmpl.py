@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.hmpl import HMPLClient, tier_params
 from edgepfl.engine.ledger import metric_columns
 from edgepfl.engine.parts import resolve
@@ -16,9 +15,10 @@ from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.io import write_csv, write_json
 from edgepfl.models import LayerSpec, build_model
-from edgepfl.models.hmpl import layer_role
+from edgepfl.models.hmpl_nets import layer_role
 from edgepfl.models.hmpl_tiers import COM, ORD, STAGE, STAGES, HMPLTiers, stage_model
 from edgepfl.system.memory import training_step_bytes
+from edgepfl.training.client_data import ClientData
 from tests.conftest import (
     crash_after,
     fast_config,
@@ -696,8 +696,8 @@ def test_in_a_run_the_tiers_follow_device_compute_not_a_slow_link():
 # -- a Com client's aligner refitted every round (algorithm.com_align) ----------------------
 def test_com_align_fit_refits_ip_align_to_the_servers_conv3_before_each_com_round(monkeypatch):
     from edgepfl.algorithms import hmpl as hmpl_module
-    from edgepfl.algorithms.trainer import Trainer
-    from edgepfl.models.hmpl import fitted_align
+    from edgepfl.models.hmpl_nets import fitted_align
+    from edgepfl.training.trainer import Trainer
 
     sim = _sim(*HMPL)  # fit is the default
     assert sim.server.hp.com_align == "fit"

@@ -5,7 +5,7 @@ import torch
 
 from edgepfl.federation.aggregate import ParamIndex
 from edgepfl.models import MODELS, VARIABLE_SIZE_MODELS, LayerSpec, build_model
-from edgepfl.models.hmpl import (
+from edgepfl.models.hmpl_nets import (
     BS_LAYERS,
     SPP,
     SUP_MAX_DEPTH,
@@ -246,7 +246,7 @@ def test_the_tier_models_stage_stays_in_host_memory_when_the_module_moves():
 
 
 def test_fitted_align_is_the_least_squares_1x1_convolution_nearest_conv3_on_the_images():
-    from edgepfl.models.hmpl import fitted_align
+    from edgepfl.models.hmpl_nets import fitted_align
 
     torch.manual_seed(0)
     ordinary = {n: p.detach() for n, p in HMPLOrd(1, 10).named_parameters()}

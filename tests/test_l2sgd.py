@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from edgepfl.algorithms import ALGORITHMS, get_algorithm
-from edgepfl.algorithms.base import model_from_state, model_to_state
 from edgepfl.algorithms.l2sgd import LOCAL_STEPS, L2SGDHyperparameters, floating
+from edgepfl.contract.algorithm import model_from_state, model_to_state
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message

@@ -42,10 +42,25 @@ def test_settings_import_neither_the_algorithms_nor_the_engine():
     assert not {m for m in reached if m.startswith(("edgepfl.algorithms", "edgepfl.engine"))}
 
 
-@pytest.mark.parametrize("path", sorted((SRC / "algorithms").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(p for layer in ("algorithms", "contract", "training")
+                                         for p in (SRC / layer).glob("*.py")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_algorithms_import_no_runtime(path):
     assert not {m for m in imported(path)
-                if m.startswith(("edgepfl.engine", "edgepfl.report", "edgepfl.system"))}
+                if m.startswith(("edgepfl.engine", "edgepfl.report", "edgepfl.experiments",
+                                 "edgepfl.system"))}
+
+
+def test_the_algorithms_folder_holds_methods_only():
+    """Each module there registers a method (``ALGORITHM`` or ``ALGORITHMS``) or is a part of
+    one (``<method>_<part>.py``); the contract and the training machinery live apart."""
+    modules = {p.stem: p for p in (SRC / "algorithms").glob("*.py") if p.stem != "__init__"}
+    methods = {name for name, p in modules.items()
+               if {"ALGORITHM", "ALGORITHMS"} & {t.id for node in ast.parse(p.read_text()).body
+                                                 if isinstance(node, ast.Assign)
+                                                 for t in node.targets if isinstance(t, ast.Name)}}
+    parts = {name for name in modules if name.split("_")[0] in methods}
+    assert set(modules) - methods - parts == set()
 
 
 def test_flower_does_not_import_the_simulation_module():

@@ -47,7 +47,7 @@ def test_unknown_model_and_wrong_input_size_are_clear_errors():
 
 
 def _one_client(seed: int = 0):
-    from edgepfl.algorithms.client_data import ClientData
+    from edgepfl.training.client_data import ClientData
 
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(96, 3, 28, 28, generator=g)
@@ -59,7 +59,7 @@ def _one_client(seed: int = 0):
 def test_channels_last_skeleton_trains_the_same_model(name):
     """The channels-last layout is a speed choice: same training, same predictions,
     and weights leave the skeleton in the default layout."""
-    from edgepfl.algorithms.trainer import Trainer
+    from edgepfl.training.trainer import Trainer
 
     torch.manual_seed(0)
     model = build_model(name, (3, 28, 28), 10)
@@ -82,7 +82,7 @@ def test_channels_last_skeleton_trains_the_same_model(name):
 
 
 def test_trainer_uses_channels_last_for_conv_models_only():
-    from edgepfl.algorithms.trainer import Trainer
+    from edgepfl.training.trainer import Trainer
 
     assert Trainer(build_model("cnn2", (1, 28, 28), 10)).channels_last
     assert not Trainer(build_model("mlp", (1, 28, 28), 10)).channels_last
@@ -92,7 +92,7 @@ def test_trainer_uses_channels_last_for_conv_models_only():
 def test_feature_tap_reads_the_features_the_logits_were_computed_from(name):
     """MOON and FedProto take ``features`` from the forward that made the logits; that
     holds only if every zoo model's forward is its last layer applied to ``features``."""
-    from edgepfl.algorithms.features import classifier_module, tap_features
+    from edgepfl.training.features import classifier_module, tap_features
 
     shape = (1, 8, 8) if name.startswith("cnn_small") else (3, 32, 32) if name == "cnn_cifar" \
         else (1, 28, 28)

@@ -16,7 +16,7 @@ from edgepfl.engine.client_step import evaluate_client
 from edgepfl.engine.simulation import Simulation
 from edgepfl.engine.transport import check_runtime
 from edgepfl.errors import ConfigError
-from edgepfl.report.compare import CANNOT_SERVE, compare
+from edgepfl.experiments.compare import CANNOT_SERVE, compare
 from tests.conftest import fast_config, resumed_and_straight, without_wall
 
 NEW = "eval.new_clients=0.34"  # 2 of the 6 clients

@@ -4,10 +4,10 @@ import torch
 import torch.nn.functional as F
 
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.perfedavg import MetaStep
 from edgepfl.engine.simulation import Simulation
 from edgepfl.federation.messages import Message
+from edgepfl.training.client_data import ClientData
 from tests.conftest import fast_config
 
 

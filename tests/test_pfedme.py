@@ -6,16 +6,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgepfl.algorithms import ALGORITHMS, get_algorithm
-from edgepfl.algorithms.base import ClientContext, ServerContext, model_from_state
-from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgHyperparameters, FedAvgServer
 from edgepfl.algorithms.pfedme import PFedMeClient, PFedMeHyperparameters, PFedMeServer
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import TrainConfig
+from edgepfl.contract.algorithm import ClientContext, ServerContext, model_from_state
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message
 from edgepfl.models import LayerSpec
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.trainer import Trainer
 from tests.conftest import fast_config, resumed_and_straight, without_wall
 
 # train.lr 0.02: eta lamda = 0.4 (at eta lamda = 1 the local model would land on theta)

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import build_config, parse_value
 from edgepfl.engine.simulation import Simulation
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import Message
 from edgepfl.privacy import PrivacyError
-from edgepfl.privacy.accounting import calibrate, client_epsilon, sample_epsilon
-from edgepfl.privacy.aggregate import private_replies
+from edgepfl.privacy.accountant import calibrate, client_epsilon, sample_epsilon
+from edgepfl.privacy.dp_fedavg import private_replies
 from edgepfl.privacy.dpsgd import PrivateTrainer, accounted
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.trainer import Trainer
 from tests.conftest import resumed_and_straight, without_wall
 
 dp = pytest.importorskip("dp_accounting")
@@ -379,7 +379,7 @@ def test_dpsgd_clips_each_samples_gradient():
 
 
 def test_an_update_that_trains_outside_dpsgd_is_refused():
-    from edgepfl.algorithms.base import UpdateResult
+    from edgepfl.contract.algorithm import UpdateResult
 
     class Part:
         trainer = PrivateTrainer(_net(), clip=1.0, noise_multiplier=1.0)
@@ -392,7 +392,7 @@ def test_dpsgd_refuses_steps_it_cannot_account():
     """Several steps on one sampled batch (pFedMe's inner steps) and a step of an
     algorithm's own (Per-FedAvg's MAML step) are refused, not run outside DP-SGD."""
     from edgepfl.algorithms.perfedavg import MetaStep, meta_batches
-    from edgepfl.algorithms.sgd import FitRequest
+    from edgepfl.training.sgd import FitRequest
 
     trainer = PrivateTrainer(_net(), clip=1.0, noise_multiplier=1.0)
     g = torch.Generator().manual_seed(0)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from edgepfl.algorithms.base import Reporter, RoundView, Server
 from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import Reporter, RoundView, Server
 from edgepfl.engine import record as record_module
 from edgepfl.engine.simulation import Simulation
 from edgepfl.federation.messages import MessageError

@@ -265,8 +265,8 @@ def _plugin(monkeypatch, misbehave):
     import dataclasses
 
     from edgepfl.algorithms import ALGORITHMS
-    from edgepfl.algorithms.base import Server
     from edgepfl.algorithms.fedavg import FedAvgClient, FedAvgServer
+    from edgepfl.contract.algorithm import Server
 
     class PlainServer(FedAvgServer):
         check_reply = Server.check_reply  # what a plug-in that writes none gets
@@ -468,7 +468,7 @@ def test_table_headers_name_the_partition_with_its_own_skew():
     assert partition_words({"scheme": "pathological", "alpha": 0.3,
                             "classes_per_client": 2}) == "pathological (2 classes per client)"
     from edgepfl.config import build_config
-    from edgepfl.report.compare import _header
+    from edgepfl.experiments.compare import _header
 
     line = _header(build_config({}, ["partition.scheme=natural"]), [0], [])[2]
     assert "partition natural, " in line and "alpha" not in line
@@ -477,7 +477,7 @@ def test_table_headers_name_the_partition_with_its_own_skew():
 # -- 7. compare --jobs workers end with their parent ------------------------------------------
 MIDDLE = textwrap.dedent("""
     import concurrent.futures as cf, multiprocessing as mp, os, sys, time
-    from edgepfl.report.runs import _start_worker
+    from edgepfl.experiments.runs import _start_worker
 
     if __name__ == "__main__":
         pool = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"),
@@ -539,7 +539,7 @@ def test_the_rdp_accountant_leaves_no_absl_warnings(caplog):
     import logging
 
     pytest.importorskip("dp_accounting")
-    from edgepfl.privacy.accounting import sample_epsilon
+    from edgepfl.privacy.accountant import sample_epsilon
 
     with caplog.at_level(logging.WARNING):
         eps = sample_epsilon(((0.114695, 37),), 1.0, 1e-5)  # orders that do not converge
@@ -571,7 +571,7 @@ def test_make_certs_copied_anywhere_asks_git_where_the_repository_is(tmp_path):
 
 # -- 10. the compare command a study prints loads the study's plug-ins -----------------------
 def test_the_compare_command_of_a_study_names_its_plugins(tmp_path):
-    from edgepfl.report.tune import compare_command
+    from edgepfl.experiments.tune import compare_command
 
     cmd = compare_command(tmp_path / "study", "fedavgm",
                           {"seed": 0, "plugins": ["/x/fedavgm_plugin.py"],

@@ -9,19 +9,19 @@ import pytest
 from click.testing import CliRunner
 
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.algorithms.base import Choice, IntRange, LogUniform, Uniform
 from edgepfl.cli import main
 from edgepfl.config import TrainConfig, build_config
+from edgepfl.contract.algorithm import Choice, IntRange, LogUniform, Uniform
 from edgepfl.engine.parts import resolve
 from edgepfl.errors import ConfigError
-from edgepfl.report.search_space import (
+from edgepfl.experiments.search_space import (
     TRAIN_SPACE,
     default_space,
     parse_space,
     search_space,
     spec_text,
 )
-from edgepfl.report.tune import tune
+from edgepfl.experiments.tune import tune
 from tests.conftest import fast_config
 
 optuna = pytest.importorskip("optuna")
@@ -209,7 +209,7 @@ def test_a_study_writes_its_tables_and_resumes_to_the_total(tmp_path):
 
 
 def test_the_sampler_draws_the_same_points_from_the_same_seed(tmp_path):
-    from edgepfl.report.tune import _next_trial, _open_study
+    from edgepfl.experiments.tune import _next_trial, _open_study
 
     space = {"train.lr": LogUniform(0.001, 0.3), "algorithm.k": IntRange(1, 9),
              "algorithm.m": Choice(("a", "b", "c"))}
@@ -234,7 +234,7 @@ def test_the_sampler_draws_the_same_points_from_the_same_seed(tmp_path):
 def test_an_interrupted_point_is_tried_once_more(tmp_path):
     from optuna.trial import TrialState
 
-    from edgepfl.report.tune import _next_trial, _open_study
+    from edgepfl.experiments.tune import _next_trial, _open_study
 
     space = {"train.lr": LogUniform(0.001, 0.3)}
     study, storage = _open_study(tmp_path / "study.db", "none", 2)
@@ -325,7 +325,7 @@ def test_the_same_command_again_goes_on_with_its_study(tmp_path, monkeypatch):
 
 
 def test_the_median_pruner_never_judges_the_first_quarter_of_the_rounds():
-    from edgepfl.report.tune import _pruner
+    from edgepfl.experiments.tune import _pruner
 
     study = optuna.create_study(direction="maximize")
     for value in (0.9, 0.8, 0.85, 0.95, 0.7):  # five finished trials: medians to judge by
@@ -345,7 +345,7 @@ def test_a_trial_folder_claimed_meanwhile_is_refused_and_left_alone(tmp_path, mo
     """A trial's folder is claimed as edgepfl run claims its --out (locked, config.json
     created exclusively): where another process (a worker, a shell) claims it while this
     one sets the trial up, the trial fails with the reason and writes nothing there."""
-    import edgepfl.report.runs as runs
+    import edgepfl.experiments.runs as runs
 
     study, trial = tmp_path / "study", tmp_path / "study" / "trial-0000"
     real = runs.federation_of

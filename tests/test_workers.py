@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from edgepfl.algorithms.devices import select_device, server_device
 from edgepfl.config import build_config
 from edgepfl.engine.simulation import CHECKPOINT, Simulation, resume_run
 from edgepfl.engine.workers import worker_count
 from edgepfl.errors import ConfigError
+from edgepfl.training.device import select_device, server_device
 from tests.conftest import fast_config, without_wall
 
 # every test here compares two computations: run again on AVX2 kernels by make test

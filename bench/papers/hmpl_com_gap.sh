@@ -21,10 +21,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from edgepfl.algorithms.client_data import eval_parts
+from edgepfl.training.client_data import eval_parts
 from edgepfl.algorithms.hmpl import align_batches
 from edgepfl.models import build_model
-from edgepfl.models.hmpl import fitted_align, preserving_start, spp
+from edgepfl.models.hmpl_nets import fitted_align, preserving_start, spp
 
 torch.set_num_threads(1)
 mode, extra = sys.argv[1], sys.argv[2:]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from edgepfl.federation.rng import select_clients
-from edgepfl.privacy.accounting import calibrate, client_epsilon
+from edgepfl.privacy.accountant import calibrate, client_epsilon
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ epsilon 1, 4 and 8 and without privacy, at client level (DP-FedAvg) and at sampl
 
 For every (algorithm, level, epsilon, seed) the noise multiplier is calibrated, with
 dp-accounting's ``calibrate_dp_mechanism`` over the engine's own accounting
-(``edgepfl.privacy.accounting``), to the smallest that keeps the run's planned epsilon
+(``edgepfl.privacy.accountant``), to the smallest that keeps the run's planned epsilon
 (after ``--rounds``) within the target at delta = 1 / clients (client level) or 1 / each
 client's samples (sample level; the largest client epsilon is held to the target, from
 each client's seeded selections and its Poisson steps). The run then carries
@@ -34,7 +34,7 @@ from edgepfl.config import build_config
 from edgepfl.engine.parts import Parts, load_federation, resolve
 from edgepfl.engine.simulation import Simulation
 from edgepfl.federation.rng import select_clients
-from edgepfl.privacy.accounting import calibrate, client_epsilon, sample_epsilon
+from edgepfl.privacy.accountant import calibrate, client_epsilon, sample_epsilon
 from edgepfl.privacy.dpsgd import poisson_plan
 
 

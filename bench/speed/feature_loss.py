@@ -2,7 +2,7 @@
 
 MOON's contrastive loss and FedProto's prototype distance read the model's features. They
 used to run ``features(x)`` a second time after the forward that computed the logits; they
-now read the classifier's input from that forward (``edgepfl.algorithms.features.
+now read the classifier's input from that forward (``edgepfl.training.features.
 tap_features``). This times a round of both algorithms with each way, in one process,
 alternating, on MNIST (10% of it, 10 clients, cnn2, batch 32, one local epoch).
 
@@ -44,7 +44,7 @@ def second_pass(model, classifier):
 def seconds_per_round(algorithm: str, patched: bool, rounds: int) -> float:
     import edgepfl.algorithms.fedproto as fedproto
     import edgepfl.algorithms.moon as moon
-    from edgepfl.algorithms.features import tap_features
+    from edgepfl.training.features import tap_features
 
     cfg = build_config({}, [f"algorithm.name={algorithm}", "dataset.name=mnist",
                             "dataset.fraction=0.1", "partition.clients=10", "partition.alpha=0.1",

@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 
 import edgepfl.algorithms.hmpl as hmpl_mod
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import build_config
 from edgepfl.engine.simulation import Simulation
 from edgepfl.models.hmpl_tiers import STAGE
+from edgepfl.training.trainer import Trainer
 
 SPENT: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)

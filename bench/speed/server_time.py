@@ -20,8 +20,8 @@ import time
 import torch
 
 from edgepfl.algorithms import get_algorithm
-from edgepfl.algorithms.base import ServerContext
 from edgepfl.config import TrainConfig
+from edgepfl.contract.algorithm import ServerContext
 from edgepfl.federation.messages import Message
 from edgepfl.models.layers import LayerSpec
 from edgepfl.models.zoo import build_model

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.models import build_model
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.trainer import Trainer
 
 CLOCK = time.thread_time
 

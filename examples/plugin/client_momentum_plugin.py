@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     Hyperparameters,
@@ -33,7 +33,7 @@ from edgepfl.algorithms.base import (
     UpdateResult,
 )
 from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import sgd_request
+from edgepfl.contract.kit import sgd_request
 from edgepfl.federation.messages import Message
 from edgepfl.plugins import register_algorithm
 

@@ -20,7 +20,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     Hyperparameters,
@@ -29,7 +29,7 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.kit import average_models, check_model_reply, sgd_request
+from edgepfl.contract.kit import average_models, check_model_reply, sgd_request
 from edgepfl.federation.messages import Message
 from edgepfl.plugins import DataSource, register_algorithm, register_dataset, register_model
 

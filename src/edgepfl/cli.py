@@ -304,7 +304,7 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
     overrides = _threads(overrides, threads)
     from edgepfl.algorithms import get_algorithm
     from edgepfl.config import config_from_sources
-    from edgepfl.report.compare import compare as run_compare
+    from edgepfl.experiments.compare import compare as run_compare
 
     cfg = _counted(_with_plugins(config_from_sources(config, list(overrides)), plugins))
     names = _csv_list(algorithms, str, "--algorithms")
@@ -313,7 +313,7 @@ def compare(config: Path | None, algorithms: str, seeds: str | None, reference: 
     seed_list = _csv_list(seeds, int, "--seeds") if seeds is not None else [cfg.seed]
     settings = notes = None
     if tuned:
-        from edgepfl.report.compare_tuned import tuned_settings
+        from edgepfl.experiments.compare_tuned import tuned_settings
 
         settings, notes = tuned_settings(tuned, names, cfg, echo=click.echo)
     out = out or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -352,8 +352,8 @@ def sweep(config: Path | None, grid: tuple[str, ...], seeds: str | None,
 
     overrides = _threads(overrides, threads)
     from edgepfl.config import config_from_sources
-    from edgepfl.report.sweep import parse_grid
-    from edgepfl.report.sweep import sweep as run_sweep
+    from edgepfl.experiments.sweep import parse_grid
+    from edgepfl.experiments.sweep import sweep as run_sweep
 
     axes = parse_grid(grid, overrides)
     cfg = _counted(_with_plugins(config_from_sources(config, list(overrides)), plugins))
@@ -414,8 +414,8 @@ def tune(config: Path | None, algorithm: str, trials: int, overrides: tuple[str,
     overrides = _threads(overrides, threads)
     from edgepfl.algorithms import get_algorithm
     from edgepfl.config import config_from_sources
-    from edgepfl.report.tune import study_location
-    from edgepfl.report.tune import tune as run_tune
+    from edgepfl.experiments.tune import study_location
+    from edgepfl.experiments.tune import tune as run_tune
 
     cfg = _counted(_with_plugins(config_from_sources(config, list(overrides)), plugins))
     get_algorithm(algorithm)

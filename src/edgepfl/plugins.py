@@ -7,7 +7,7 @@ imported::
 
     register_model("tiny_cnn", TinyCNN, "two 3x3 convolutions and a classifier")
     register_dataset("blobs", load_blobs, "seeded Gaussian blobs, 16 features, 4 classes")
-    register_algorithm(ALGORITHM)   # an edgepfl.algorithms.base.Algorithm
+    register_algorithm(ALGORITHM)   # an edgepfl.contract.algorithm.Algorithm
 
 Load it with ``edgepfl run --plugin my_plugin.py`` (repeatable; also on ``compare``,
 ``sweep``, ``tune`` and ``list``), with ``plugins = ["my_plugin.py"]`` in a configuration,
@@ -46,7 +46,7 @@ from edgepfl.registered import DataSource, _origin, origin
 if TYPE_CHECKING:
     from torch import nn
 
-    from edgepfl.algorithms.base import Algorithm
+    from edgepfl.contract.algorithm import Algorithm
 
 PLUGIN_GROUP = "edgepfl.plugins"
 __all__ = ["PLUGIN_GROUP", "DataSource", "load_installed", "load_plugins", "origin",
@@ -83,12 +83,12 @@ def _current() -> str:
 
 
 def register_algorithm(algorithm: Algorithm) -> Algorithm:
-    """Make ``algorithm`` (an ``edgepfl.algorithms.base.Algorithm``) runnable by its name."""
+    """Make ``algorithm`` (an ``edgepfl.contract.algorithm.Algorithm``) runnable by its name."""
     from edgepfl.algorithms import ALGORITHMS
-    from edgepfl.algorithms.base import Algorithm, Client, Edge, Hyperparameters, Server
+    from edgepfl.contract.algorithm import Algorithm, Client, Edge, Hyperparameters, Server
 
     if not isinstance(algorithm, Algorithm):
-        raise ConfigError(f"register_algorithm takes an edgepfl.algorithms.base.Algorithm, "
+        raise ConfigError(f"register_algorithm takes an edgepfl.contract.algorithm.Algorithm, "
                           f"got {type(algorithm).__name__}")
     for what, cls, base in (("hyperparameters", algorithm.hyperparameters, Hyperparameters),
                             ("server", algorithm.server, Server),

@@ -36,7 +36,8 @@ from edgepfl.algorithms import (
     pfedme,
     scaffold,
 )
-from edgepfl.algorithms.base import (
+from edgepfl.config import did_you_mean
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -45,7 +46,6 @@ from edgepfl.algorithms.base import (
     ServerContext,
     UpdateResult,
 )
-from edgepfl.config import did_you_mean
 from edgepfl.errors import ConfigError
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (

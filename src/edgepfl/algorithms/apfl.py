@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import functional_call
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     Hyperparameters,
@@ -42,13 +43,12 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     fine_tuned,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import host, to_device
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import received_model
-from edgepfl.algorithms.sgd import fit_stats, sgd_step, sgd_update
+from edgepfl.contract.kit import received_model
 from edgepfl.federation.accounting import counted_once, counter_aside
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import host, to_device
+from edgepfl.training.sgd import fit_stats, sgd_step, sgd_update
 
 PERSONAL = "personal."
 ALPHA = "alpha"

@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Hyperparameters,
     IntRange,
@@ -49,11 +49,11 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import proximal_hook, sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import proximal_hook, sgd_request
 from edgepfl.federation.messages import Message, MessageError, check_message
 from edgepfl.federation.store import StackedStore
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
 
 _KMEANS_ITERS = 100  # Lloyd iterations cap; K-means on N <= a few hundred rows converges fast
 

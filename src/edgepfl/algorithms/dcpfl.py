@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.dcpfl_groups import group_purity, plot_group_graph
+from edgepfl.contract.algorithm import (
     Algorithm,
     Hyperparameters,
     PersonalModelClient,
@@ -48,10 +49,7 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.dcpfl_groups import group_purity, plot_group_graph
-from edgepfl.algorithms.kit import fit, sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import fit, sgd_request
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import (
@@ -63,6 +61,8 @@ from edgepfl.federation.messages import (
     exactly,
 )
 from edgepfl.federation.store import StackedStore
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
 
 WARMUP, NORMAL, SYNC, TRIAL = 0, 1, 2, 3
 MODE_NAMES = {WARMUP: "warmup", NORMAL: "normal", SYNC: "sync", TRIAL: "trial"}

@@ -29,7 +29,8 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     ClientContext,
     Hyperparameters,
@@ -43,11 +44,10 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import fit, proximal_hook, received_model
+from edgepfl.contract.kit import fit, proximal_hook, received_model
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.training.client_data import ClientData
 
 
 class DittoHyperparameters(Hyperparameters):

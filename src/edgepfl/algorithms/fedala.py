@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import functional_call
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -49,16 +50,15 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import host, to_device
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import received_model, sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import received_model, sgd_request
 from edgepfl.errors import ConfigError
 from edgepfl.federation.accounting import counted_once, counter_aside
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator
 from edgepfl.models.layers import LayerSpec
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import host, to_device
+from edgepfl.training.sgd import FitRequest
 
 WEIGHTS = "ala_w."  # W_i, of the top layers' shapes, 1 until first learned
 # The phases are entries that appear in a client's state, not values that flip, so that

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Hyperparameters,
     LogUniform,
@@ -34,11 +34,11 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import proximal_hook, sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import proximal_hook, sgd_request
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError, check_message
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
 
 
 class FedAMPHyperparameters(Hyperparameters):

@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     Hyperparameters,
@@ -26,11 +26,11 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import average_models, check_model_reply, sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import average_models, check_model_reply, sgd_request
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
 
 
 class FedAvgHyperparameters(Hyperparameters):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer, finetuned
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -30,10 +31,9 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     fine_tuned,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.fedavg import FedAvgServer, finetuned
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
+from edgepfl.training.client_data import ClientData
 
 
 class FedBABUHyperparameters(Hyperparameters):

@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -26,13 +27,12 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import sgd_request
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
 from edgepfl.models.zoo import MODELS
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
 
 
 class FedBNHyperparameters(Hyperparameters):

@@ -31,7 +31,8 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     Hyperparameters,
@@ -42,14 +43,13 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import average_models, proximal_hook, received_model, sgd_request
-from edgepfl.algorithms.pulls import Pull
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import average_models, proximal_hook, received_model, sgd_request
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.pulls import Pull
+from edgepfl.training.sgd import FitRequest
 
 GRAD = "grad."  # grad_i in the client's state
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     ClientContext,
     Hyperparameters,
@@ -52,15 +52,15 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import to_device
-from edgepfl.algorithms.kit import fit
-from edgepfl.algorithms.sgd import sgd_step
+from edgepfl.contract.kit import fit
 from edgepfl.data.datasets import DATASETS, OWN_DATASETS, Dataset, load_dataset, resolve_data_root
 from edgepfl.errors import ConfigError
 from edgepfl.federation.accounting import counted_once, counter_aside
 from edgepfl.federation.messages import Message, MessageError, check_message, like
 from edgepfl.federation.rng import derive_seed, generator
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import to_device
+from edgepfl.training.sgd import sgd_step
 
 # the data sets a party can load by name alone (the own-data formats read dataset.path)
 PUBLIC_SETS = tuple(n for n in DATASETS if n not in OWN_DATASETS)

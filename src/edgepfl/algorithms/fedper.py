@@ -24,7 +24,8 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -37,13 +38,12 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     fine_tuned,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import sgd_request
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.models.layers import LayerSpec
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
 
 PERSONAL = "personal."
 

@@ -20,7 +20,7 @@ from typing import ClassVar, Literal, cast
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     ClientContext,
     Hyperparameters,
@@ -35,9 +35,7 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.features import classifier_module, tap_features
-from edgepfl.algorithms.kit import fit
+from edgepfl.contract.kit import fit
 from edgepfl.federation.messages import (
     Message,
     MessageError,
@@ -47,6 +45,8 @@ from edgepfl.federation.messages import (
     like,
 )
 from edgepfl.models.layers import LayerSpec
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.features import classifier_module, tap_features
 
 ABSENT = -1e9  # logit bias of a class without a global prototype: never the nearest
 

@@ -11,13 +11,13 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import PRIVACY, FedAvgClient, FedAvgHyperparameters, FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     LogUniform,
     SearchRange,
 )
-from edgepfl.algorithms.fedavg import PRIVACY, FedAvgClient, FedAvgHyperparameters, FedAvgServer
-from edgepfl.algorithms.kit import proximal_hook
+from edgepfl.contract.kit import proximal_hook
 from edgepfl.federation.messages import Message
 
 

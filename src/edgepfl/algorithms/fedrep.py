@@ -25,7 +25,13 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedper import (
+    PERSONAL,
+    FedPerClient,
+    FedPerHyperparameters,
+    FedPerServer,
+)
+from edgepfl.contract.algorithm import (
     Algorithm,
     ClientContext,
     IntRange,
@@ -34,15 +40,9 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.fedper import (
-    PERSONAL,
-    FedPerClient,
-    FedPerHyperparameters,
-    FedPerServer,
-)
-from edgepfl.algorithms.kit import fit
+from edgepfl.contract.kit import fit
 from edgepfl.federation.messages import Message
+from edgepfl.training.client_data import ClientData
 
 
 class FedRepHyperparameters(FedPerHyperparameters):

@@ -32,7 +32,9 @@ from pydantic import Field
 from torch import nn
 from torch.func import functional_call
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.algorithms.fedper import personal_names
+from edgepfl.contract.algorithm import (
     Algorithm,
     Choice,
     Client,
@@ -44,16 +46,14 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import host, to_device
-from edgepfl.algorithms.features import classifier_module, tap_features
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.fedper import personal_names
-from edgepfl.algorithms.kit import received_model
-from edgepfl.algorithms.sgd import fit_stats, sgd_step, sgd_update
+from edgepfl.contract.kit import received_model
 from edgepfl.errors import ConfigError
 from edgepfl.federation.accounting import counted_once, counter_aside
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import host, to_device
+from edgepfl.training.features import classifier_module, tap_features
+from edgepfl.training.sgd import fit_stats, sgd_step, sgd_update
 
 PERSONAL_HEAD = "personal_head."
 # the class prior of a class the client has no sample of: log(1e-8) = -18.4 makes it a

@@ -29,7 +29,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -40,11 +40,7 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import host
-from edgepfl.algorithms.kit import check_model_reply, num_samples
-from edgepfl.algorithms.sgd import FitRequest
-from edgepfl.algorithms.trainer import Trainer
+from edgepfl.contract.kit import check_model_reply, num_samples
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import average_width_slices
 from edgepfl.federation.messages import Message, MessageError, like
@@ -57,6 +53,10 @@ from edgepfl.models.width import (
     width_model,
     width_shapes,
 )
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import host
+from edgepfl.training.sgd import FitRequest
+from edgepfl.training.trainer import Trainer
 
 RATE = "rate"
 

@@ -74,25 +74,6 @@ from typing import ClassVar, Literal, cast
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
-    Algorithm,
-    Client,
-    ClientContext,
-    Edge,
-    EdgeContext,
-    Hyperparameters,
-    LogUniform,
-    PrivacySupport,
-    Reporter,
-    SearchRange,
-    Server,
-    ServerContext,
-    State,
-    UpdateResult,
-    model_from_state,
-    model_to_state,
-)
-from edgepfl.algorithms.client_data import ClientData
 from edgepfl.algorithms.hierbayes_blocks import (  # noqa: F401  (tests import them from here)
     JOINT_SWEEPS,
     Layout,
@@ -110,11 +91,30 @@ from edgepfl.algorithms.hierbayes_blocks import (  # noqa: F401  (tests import t
     gamma_block,
     gaussian_block,
 )
-from edgepfl.algorithms.kit import STALENESS, check_model_reply, num_samples, staleness
-from edgepfl.algorithms.pulls import AdamDirection
+from edgepfl.contract.algorithm import (
+    Algorithm,
+    Client,
+    ClientContext,
+    Edge,
+    EdgeContext,
+    Hyperparameters,
+    LogUniform,
+    PrivacySupport,
+    Reporter,
+    SearchRange,
+    Server,
+    ServerContext,
+    State,
+    UpdateResult,
+    model_from_state,
+    model_to_state,
+)
+from edgepfl.contract.kit import STALENESS, check_model_reply, num_samples, staleness
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError, MetaValue
 from edgepfl.federation.rng import generator
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.pulls import AdamDirection
 
 MEAN, PREC, PSI, PRIOR, VAR = "mean.", "prec.", "psi.", "prior.", "var."
 EDGE_MEAN, EDGE_PRIOR = "edge_mean.", "edge_prior."

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from edgepfl.algorithms.base import State
+from edgepfl.contract.algorithm import State
 from edgepfl.federation.messages import Message, MessageError
 
 

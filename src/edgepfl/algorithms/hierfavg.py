@@ -24,14 +24,14 @@ from typing import cast
 
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import PRIVACY, FedAvgClient, FedAvgHyperparameters, FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     Edge,
     EdgeContext,
     State,
 )
-from edgepfl.algorithms.fedavg import PRIVACY, FedAvgClient, FedAvgHyperparameters, FedAvgServer
-from edgepfl.algorithms.kit import (
+from edgepfl.contract.kit import (
     STALENESS,
     average_models,
     check_model_reply,

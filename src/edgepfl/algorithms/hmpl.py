@@ -46,7 +46,8 @@ from typing import Any, ClassVar, Literal, cast
 import torch
 from pydantic import Field, field_validator
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.hmpl_report import BYTE_COLUMNS, TierReports, tier_costs
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -58,17 +59,13 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.hmpl_report import BYTE_COLUMNS, TierReports, tier_costs
-from edgepfl.algorithms.kit import num_samples
-from edgepfl.algorithms.sgd import FitRequest
-from edgepfl.algorithms.trainer import Trainer
+from edgepfl.contract.kit import num_samples
 from edgepfl.data.aspect import shape_groups
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_entries, check_message
 from edgepfl.federation.rng import derive_seed
-from edgepfl.models.hmpl import SUP_MAX_DEPTH, fitted_align, layer_role, preserving_start
+from edgepfl.models.hmpl_nets import SUP_MAX_DEPTH, fitted_align, layer_role, preserving_start
 from edgepfl.models.hmpl_tiers import (
     COM,
     ORD,
@@ -79,6 +76,9 @@ from edgepfl.models.hmpl_tiers import (
     tier_name,
     tier_params,
 )
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
+from edgepfl.training.trainer import Trainer
 
 log = logging.getLogger("edgepfl")
 

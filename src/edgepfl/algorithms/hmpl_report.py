@@ -13,11 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from edgepfl.algorithms.base import Reporter, ServerContext
+from edgepfl.contract.algorithm import Reporter, ServerContext
 from edgepfl.io import read_json, write_json
-from edgepfl.models.hmpl import SUP_MAX_DEPTH
+from edgepfl.models.hmpl_nets import SUP_MAX_DEPTH
 from edgepfl.models.hmpl_tiers import COM, ORD, stage_model, tier_module, tier_name, tier_params
-from edgepfl.models.memory import training_step_bytes
+from edgepfl.models.step_memory import training_step_bytes
 
 TIER_NAMES = ("com", "ord", "sup")
 BYTE_COLUMNS = tuple(f"bytes_{d}_{t}" for d in ("up", "down") for t in TIER_NAMES)

@@ -33,7 +33,7 @@ from typing import ClassVar, cast
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     Hyperparameters,
@@ -46,12 +46,12 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import average_models, fit, num_samples
+from edgepfl.contract.kit import average_models, fit, num_samples
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_message, int_in, like
 from edgepfl.federation.rng import generator
 from edgepfl.federation.store import StackedStore
+from edgepfl.training.client_data import ClientData
 
 INIT = "init."      # w_0, sent while the initial hypotheses are being chosen
 LOSSES = "losses"   # a client's mean losses on the hypotheses it received (initialisation)

@@ -42,7 +42,7 @@ from typing import ClassVar, Literal, cast
 import torch
 from pydantic import Field, model_validator
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     ClientContext,
     Hyperparameters,
@@ -57,15 +57,15 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import server_device
-from edgepfl.algorithms.kit import sgd_request
-from edgepfl.algorithms.pulls import Pull
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import sgd_request
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError, check_message, check_meta, ints
 from edgepfl.federation.rng import derive_seed, generator
 from edgepfl.models.layers import LayerSpec
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import server_device
+from edgepfl.training.pulls import Pull
+from edgepfl.training.sgd import FitRequest
 
 PAPER = ("Zhi et al., Knowledge-Aware Parameter Coaching for Personalized Federated Learning, "
          "AAAI 2024; journal extension: Knowledge-Aware Parameter Coaching for "

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Hyperparameters,
     PersonalModelClient,
@@ -45,12 +45,12 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import fit
+from edgepfl.contract.kit import fit
 from edgepfl.errors import ConfigError
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import Message, MessageError, check_message
 from edgepfl.federation.rng import generator
+from edgepfl.training.client_data import ClientData
 
 LOCAL_STEPS = "local_steps"
 

@@ -26,7 +26,9 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.algorithms.fedper import KeptLayersClient, personal_names
+from edgepfl.contract.algorithm import (
     Algorithm,
     ClientContext,
     Hyperparameters,
@@ -35,8 +37,6 @@ from edgepfl.algorithms.base import (
     SearchRange,
     ServerContext,
 )
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.fedper import KeptLayersClient, personal_names
 from edgepfl.errors import ConfigError
 from edgepfl.models.layers import LayerSpec
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Hyperparameters,
     PersonalModelClient,
@@ -19,10 +19,10 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import sgd_request
 from edgepfl.federation.messages import Message, MessageError, check_message
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
 
 EPOCHS = "epochs"
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -37,13 +38,12 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     fine_tuned,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.features import classifier_module, tap_features
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import derive_seed
 from edgepfl.models.layers import LayerSpec
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.features import classifier_module, tap_features
+from edgepfl.training.trainer import Trainer
 
 PROJ = "proj."
 

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import grad, grad_and_value
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -33,11 +34,10 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.sgd import FitRequest, LossFn
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest, LossFn
 
 
 class PerFedAvgHyperparameters(Hyperparameters):

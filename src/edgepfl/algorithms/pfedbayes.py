@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -51,13 +51,13 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import host, to_device
-from edgepfl.algorithms.kit import check_model_reply, num_samples
-from edgepfl.algorithms.pulls import AdamDirection
+from edgepfl.contract.kit import check_model_reply, num_samples
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.rng import generator
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import host, to_device
+from edgepfl.training.pulls import AdamDirection
 
 MU, RHO = "mu.", "rho."
 

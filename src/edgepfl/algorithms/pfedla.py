@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Hyperparameters,
     LogUniform,
@@ -36,11 +36,11 @@ from edgepfl.algorithms.base import (
     UpdateResult,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import sgd_request
 from edgepfl.federation.messages import Message, MessageError, check_message
 from edgepfl.federation.rng import derive_seed
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
 
 
 class PFedLAHyperparameters(Hyperparameters):

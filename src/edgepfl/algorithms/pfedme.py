@@ -28,7 +28,8 @@ from typing import ClassVar
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
-from edgepfl.algorithms.base import (
+from edgepfl.algorithms.fedavg import FedAvgServer
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -42,13 +43,12 @@ from edgepfl.algorithms.base import (
     model_from_state,
     model_to_state,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.fedavg import FedAvgServer
-from edgepfl.algorithms.kit import average_models
-from edgepfl.algorithms.pulls import Pull
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import average_models
 from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.pulls import Pull
+from edgepfl.training.sgd import FitRequest
 
 
 class PFedMeHyperparameters(Hyperparameters):

@@ -28,7 +28,7 @@ from typing import ClassVar, Literal, cast
 import torch
 from pydantic import Field
 
-from edgepfl.algorithms.base import (
+from edgepfl.contract.algorithm import (
     Algorithm,
     Client,
     ClientContext,
@@ -41,11 +41,11 @@ from edgepfl.algorithms.base import (
     State,
     UpdateResult,
 )
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.kit import num_samples, sgd_request
-from edgepfl.algorithms.sgd import FitRequest
+from edgepfl.contract.kit import num_samples, sgd_request
 from edgepfl.federation.aggregate import weighted_average
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_message
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
 
 CONTROL = "control."   # c in the server's message, c_i in the client's state
 DELTA = "delta_c."     # Delta c_i in the reply

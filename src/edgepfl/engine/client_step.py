@@ -14,9 +14,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from edgepfl.algorithms.base import Client, UpdateResult
-from edgepfl.algorithms.client_data import ClientData, TestData, eval_parts, sample_count
 from edgepfl.config import Config
+from edgepfl.contract.algorithm import Client, UpdateResult
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition, validation_split
 from edgepfl.engine.parts import image_crops
@@ -25,6 +24,7 @@ from edgepfl.engine.transport import Figures
 from edgepfl.federation.messages import Message
 from edgepfl.federation.rng import derive_seed, generator
 from edgepfl.privacy.dpsgd import accounted
+from edgepfl.training.client_data import ClientData, TestData, eval_parts, sample_count
 
 
 class ClientViews(NamedTuple):

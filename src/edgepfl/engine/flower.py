@@ -67,9 +67,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 if TYPE_CHECKING:
     pass
 
-from edgepfl.algorithms.base import Client
-from edgepfl.algorithms.client_data import sample_count
 from edgepfl.config import Config, build_config, set_dotted
+from edgepfl.contract.algorithm import Client
 from edgepfl.data.datasets import Dataset, dataset_of
 from edgepfl.data.partition import Partition
 from edgepfl.engine.client_step import ClientViews, client_step, client_views, evaluate_client
@@ -90,6 +89,7 @@ from edgepfl.federation.messages import Message, MessageError
 from edgepfl.federation.topology import CLOUD
 from edgepfl.io import read_tensors, write_json, write_tensors
 from edgepfl.system import COST_COLUMNS
+from edgepfl.training.client_data import sample_count
 
 log = logging.getLogger("edgepfl")
 

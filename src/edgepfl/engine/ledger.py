@@ -63,7 +63,7 @@ class Ledger:
     # selected in
     val_best: dict[str, list[float]] = field(default_factory=dict)
     # privacy.level = sample: each client's DP-SGD steps per sampling rate and its sample
-    # count (edgepfl.privacy.rounds), JSON values
+    # count (edgepfl.privacy.per_round), JSON values
     privacy: dict[str, list] = field(default_factory=dict)
     # asynchronous edges: each edge's simulated work in hand beyond the periods elapsed
     # (edgepfl.engine.schedule.async_debt)

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from edgepfl.algorithms import ClientContext, ServerContext, get_algorithm
-from edgepfl.algorithms.base import (
+from edgepfl.config import Config, build_config
+from edgepfl.contract.algorithm import (
     Algorithm,
     Architecture,
     Client,
@@ -22,9 +23,6 @@ from edgepfl.algorithms.base import (
     Hyperparameters,
     Server,
 )
-from edgepfl.algorithms.devices import select_device
-from edgepfl.algorithms.trainer import Trainer
-from edgepfl.config import Config, build_config
 from edgepfl.data import dataset_of, partition_of
 from edgepfl.data.aspect import Crops, parse_ratios
 from edgepfl.data.datasets import Dataset
@@ -37,6 +35,8 @@ from edgepfl.federation.topology import Federation, default_assignment
 from edgepfl.models import DEFAULT_MODEL, MODELS, LayerSpec, build_model, zoo
 from edgepfl.plugins import load_plugins
 from edgepfl.privacy import check_privacy, make_trainer
+from edgepfl.training.device import select_device
+from edgepfl.training.trainer import Trainer
 
 
 def natural_clients(cfg: Config, dataset: Dataset | None = None

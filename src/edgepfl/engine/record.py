@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from edgepfl.algorithms.base import Timing
+from edgepfl.contract.algorithm import Timing
 from edgepfl.engine.transport import Delivery, client_times
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class RoundRecord:
     _timing: Timing | None = field(default=None, repr=False)
 
     def timing(self) -> Timing | None:
-        """Each replied client's round time (``algorithms.base.Timing``), on first call:
+        """Each replied client's round time (``contract.algorithm.Timing``), on first call:
         only a reporter that asks (HMPL's tiers) pays for it; None in a hierarchy."""
         if self.delivery is None:
             return None

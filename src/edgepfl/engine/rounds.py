@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgepfl.algorithms.base import Edge, Reporter, Server
 from edgepfl.config import Config
+from edgepfl.contract.algorithm import Edge, Reporter, Server
 from edgepfl.engine.hierarchy import hierarchical_round
 from edgepfl.engine.ledger import NO_EVAL, Ledger
 from edgepfl.engine.observers import (

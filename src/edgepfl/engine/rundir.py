@@ -30,8 +30,8 @@ import torch
 
 from edgepfl import __version__
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.algorithms.base import Reporter
 from edgepfl.config import Config, build_config
+from edgepfl.contract.algorithm import Reporter
 from edgepfl.engine.hooks import Hook
 from edgepfl.engine.ledger import METRIC_COLUMNS, Ledger, metric_columns
 from edgepfl.engine.progress import RoundProgress

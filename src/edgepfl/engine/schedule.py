@@ -20,7 +20,7 @@ import numpy as np
 from edgepfl.config import Config, TrainConfig
 
 if TYPE_CHECKING:
-    from edgepfl.algorithms.base import Client
+    from edgepfl.contract.algorithm import Client
 
 
 # -- learning rate --------------------------------------------------------------------------

@@ -19,9 +19,8 @@ from typing import cast
 import numpy as np
 import torch
 
-from edgepfl.algorithms.base import states_fit
-from edgepfl.algorithms.client_data import ClientData, TestData, sample_count
 from edgepfl.config import Config, build_config
+from edgepfl.contract.algorithm import states_fit
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition
 from edgepfl.engine.client_step import (
@@ -67,6 +66,7 @@ from edgepfl.federation.messages import Message
 from edgepfl.federation.store import StackedStore, sendable
 from edgepfl.io import read_json, write_json
 from edgepfl.system import FlopMeter, SystemModel, peak_rss_bytes, work_signature
+from edgepfl.training.client_data import ClientData, TestData, sample_count
 
 log = logging.getLogger("edgepfl")
 

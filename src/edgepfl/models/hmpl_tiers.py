@@ -24,7 +24,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from edgepfl.models.hmpl import SUP_MAX_DEPTH, HMPLCom, HMPLOrd, HMPLSup, sup_model_name
+from edgepfl.models.hmpl_nets import SUP_MAX_DEPTH, HMPLCom, HMPLOrd, HMPLSup, sup_model_name
 
 STAGE = "stage"
 COM, ORD = -1, 0

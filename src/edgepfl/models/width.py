@@ -30,7 +30,7 @@ Shape = tuple[int, ...]
 # Chains of Conv2d / Linear layers, a BatchNorm after some convolutions, flattened
 # channel-major before the first fully connected layer (tests/test_heterofl.py checks
 # every one: a zero-padded submodel computes exactly what the narrow module computes).
-# hmpl_ord and cnn2_spp: their SPP layer is channel-major (edgepfl.models.hmpl.spp), so the
+# hmpl_ord and cnn2_spp: their SPP layer is channel-major (edgepfl.models.hmpl_nets.spp), so the
 # fully connected layer after it reads the kept channels as a prefix too.
 SLICEABLE = ("cnn2", "cnn2_bn", "cnn_cifar", "cnn_small", "cnn_small_bn", "cnn_small_narrow",
              "mlp", "hmpl_ord", "cnn2_spp")

@@ -11,7 +11,7 @@ from torch import nn
 
 from edgepfl.errors import ConfigError
 from edgepfl.models.bn import CNN2BN, CNNSmallBN
-from edgepfl.models.hmpl import CNN2SPP, HMPLCom, HMPLOrd, HMPLSup
+from edgepfl.models.hmpl_nets import CNN2SPP, HMPLCom, HMPLOrd, HMPLSup
 from edgepfl.models.hmpl_tiers import HMPLTiers
 from edgepfl.models.resnet import ResNet18, ResNet18BN
 from edgepfl.registered import origin

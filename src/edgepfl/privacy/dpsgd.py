@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap
 
-from edgepfl.algorithms.base import Client, UpdateResult
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import to_device
-from edgepfl.algorithms.sgd import FitRequest, GradHook, LossHook, fit_stats, sgd_update
-from edgepfl.algorithms.trainer import Trainer
+from edgepfl.contract.algorithm import Client, UpdateResult
 from edgepfl.federation.accounting import counted_once, counter_aside
-from edgepfl.privacy.aggregate import PrivacyError
+from edgepfl.privacy.dp_fedavg import PrivacyError
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import to_device
+from edgepfl.training.sgd import FitRequest, GradHook, LossHook, fit_stats, sgd_update
+from edgepfl.training.trainer import Trainer
 
 # what a reply's stats carry to the server's accountant
 STEPS, RATE = "dp_steps", "dp_rate"

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from edgepfl.algorithms.base import Algorithm
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import Config
+from edgepfl.contract.algorithm import Algorithm
 from edgepfl.errors import ConfigError
 from edgepfl.federation.topology import Federation
-from edgepfl.privacy.accounting import library
+from edgepfl.privacy.accountant import library
 from edgepfl.privacy.dpsgd import PrivateTrainer
+from edgepfl.training.trainer import Trainer
 
 log = logging.getLogger("edgepfl")
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from edgepfl.algorithms import ALGORITHMS
-from edgepfl.algorithms.base import Algorithm
+from edgepfl.contract.algorithm import Algorithm
 from edgepfl.registered import origin
 
 BEGIN = "<!-- supports table: written by python -m edgepfl.report.algorithm_table -->"

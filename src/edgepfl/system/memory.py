@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from edgepfl.models.memory import training_step_bytes
+from edgepfl.models.step_memory import training_step_bytes
 
 __all__ = ["host_info", "peak_rss_bytes", "state_bytes", "training_step_bytes"]
 

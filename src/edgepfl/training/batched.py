@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import host, to_device
-from edgepfl.algorithms.pulls import Pull
-from edgepfl.algorithms.sgd import FitRequest, GradHook, State, fit_stats, sgd_update
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import host, to_device
+from edgepfl.training.pulls import Pull
+from edgepfl.training.sgd import FitRequest, GradHook, State, fit_stats, sgd_update
 
 
 @dataclass

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from edgepfl.algorithms.client_data import ClientData
+from edgepfl.training.client_data import ClientData
 
 if TYPE_CHECKING:
-    from edgepfl.algorithms.trainer import Trainer
+    from edgepfl.training.trainer import Trainer
 
 State = dict[str, torch.Tensor]
 GradHook = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]

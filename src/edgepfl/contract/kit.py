@@ -1,4 +1,4 @@
-"""The helpers algorithms share; with the contract in ``base``, what writing one takes.
+"""The helpers algorithms share; with the contract in ``contract.algorithm``, what writing one takes.
 
 * Local training with the run's SGD settings (``train.*``): ``fit`` trains the weights
   loaded in the client's trainer; ``sgd_request`` states the same training as a
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from edgepfl.algorithms.base import Client, ServerContext, State
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.pulls import Pull
-from edgepfl.algorithms.sgd import FitRequest, GradHook
+from edgepfl.contract.algorithm import Client, ServerContext, State
 from edgepfl.federation.aggregate import ParamIndex, weighted_average
 from edgepfl.federation.messages import COUNT, Message, MessageError, check_message
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.pulls import Pull
+from edgepfl.training.sgd import FitRequest, GradHook
 
 STALENESS = "staleness"
 

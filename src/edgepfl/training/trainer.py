@@ -16,11 +16,12 @@ from torch import nn
 from torch.func import functional_call, grad_and_value
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from edgepfl.algorithms.batched import BatchedTraining
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.devices import host, to_device
-from edgepfl.algorithms.evaluation import Evaluation
-from edgepfl.algorithms.sgd import (
+from edgepfl.federation.accounting import counted_once, counter_aside
+from edgepfl.training.batched import BatchedTraining
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.device import host, to_device
+from edgepfl.training.evaluation import Evaluation
+from edgepfl.training.sgd import (
     FitRequest,
     GradHook,
     LossHook,
@@ -29,7 +30,6 @@ from edgepfl.algorithms.sgd import (
     sgd_step,
     sgd_update,
 )
-from edgepfl.federation.accounting import counted_once, counter_aside
 
 
 def _has_conv(model: nn.Module) -> bool:

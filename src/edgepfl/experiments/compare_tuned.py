@@ -16,8 +16,8 @@ from typing import Any
 from edgepfl.config import Config, parse_value
 from edgepfl.engine.rundir import config_diff
 from edgepfl.errors import ConfigError
+from edgepfl.experiments.tune import BEST, DB_NAME, pct, settings_of
 from edgepfl.io import read_json
-from edgepfl.report.tune import BEST, DB_NAME, pct, settings_of
 
 
 def load_best(path: Path) -> tuple[dict, Path]:

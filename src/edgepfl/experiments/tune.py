@@ -44,20 +44,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from edgepfl.algorithms import get_algorithm
-from edgepfl.algorithms.base import IntRange, LogUniform, SearchRange, Uniform
 from edgepfl.config import Config, build_config, set_dotted
+from edgepfl.contract.algorithm import IntRange, LogUniform, SearchRange, Uniform
 from edgepfl.engine.rundir import Hook, config_diff, without_rounds
 from edgepfl.errors import ConfigError, EdgepflError
-from edgepfl.io import write_bytes_atomic, write_csv, write_json
-from edgepfl.plotting import partition_words
-from edgepfl.report.runs import check_jobs, threads_per_job
-from edgepfl.report.search_space import (
+from edgepfl.experiments.runs import check_jobs, threads_per_job
+from edgepfl.experiments.search_space import (
     parse_space,
     parse_space_item,
     search_space,
     spec_text,
     value_text,
 )
+from edgepfl.io import write_bytes_atomic, write_csv, write_json
+from edgepfl.plotting import partition_words
 
 if TYPE_CHECKING:
     from edgepfl.engine.rounds import Rounds
@@ -292,7 +292,7 @@ def _run_trial(study, trial, params: dict, base: dict, folder: Path,
     from optuna.trial import TrialState
 
     from edgepfl.engine.simulation import resolve, start_run
-    from edgepfl.report.runs import federation_of
+    from edgepfl.experiments.runs import federation_of
 
     name = f"trial-{trial.number:04d}"
     trial.set_user_attr("run_dir", name)
@@ -414,7 +414,7 @@ def tune(base: Config, algorithm: str, trials: int, study: Path | None = None, *
     best.json's content."""
     _check_request(base, algorithm, trials, seed, jobs, pruner)
     from edgepfl.engine.parts import resolve
-    from edgepfl.report.runs import federation_of
+    from edgepfl.experiments.runs import federation_of
 
     if "name" in base.algorithm.model_fields_set and base.algorithm.name != algorithm:
         raise ConfigError(f"the configuration names algorithm.name = {base.algorithm.name!r} "

@@ -25,8 +25,8 @@ from edgepfl.errors import ConfigError
 from edgepfl.federation.messages import Message
 from edgepfl.federation.rng import generator, select_clients
 from edgepfl.federation.topology import CLOUD, Federation
-from edgepfl.privacy.accounting import client_epsilon, groups_of, library, sample_epsilon
-from edgepfl.privacy.aggregate import Clipped, PrivacyError, private_replies
+from edgepfl.privacy.accountant import client_epsilon, groups_of, library, sample_epsilon
+from edgepfl.privacy.dp_fedavg import Clipped, PrivacyError, private_replies
 from edgepfl.privacy.dpsgd import RATE, STEPS, poisson_plan
 
 log = logging.getLogger("edgepfl")

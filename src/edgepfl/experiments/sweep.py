@@ -21,11 +21,11 @@ from edgepfl.config import Config, build_config, parse_value, set_dotted
 from edgepfl.engine.rundir import run_dir_lock
 from edgepfl.engine.simulation import resolve
 from edgepfl.errors import ConfigError, EdgepflError
+from edgepfl.experiments.runs import PlannedRun, check_jobs, run_all
 from edgepfl.io import write_bytes_atomic, write_csv
 from edgepfl.plotting import setting_line
 from edgepfl.report import stats
 from edgepfl.report.plots import plot_curves, seed_curves
-from edgepfl.report.runs import PlannedRun, check_jobs, run_all
 
 Grid = list[tuple[str, list[Any]]]
 # with eval.validation, acc_mean_at_val_best is the figure to pick a grid point by: the

@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from edgepfl.algorithms.client_data import ClientData
-from edgepfl.algorithms.sgd import FitRequest
-from edgepfl.algorithms.trainer import Trainer
 from edgepfl.config import TrainConfig
 from edgepfl.federation.aggregate import ParamIndex
 from edgepfl.federation.messages import Message, MessageError, check_entries
 from edgepfl.federation.state import load_state, save_state
 from edgepfl.federation.store import MEMORY, Stacks
 from edgepfl.models.layers import LayerSpec
+from edgepfl.training.client_data import ClientData
+from edgepfl.training.sgd import FitRequest
+from edgepfl.training.trainer import Trainer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -303,7 +303,7 @@ class Server(Stateful, ABC):
         stray = sorted(REPORTS & set(vars(cls)))
         if stray and not issubclass(cls, Reporter):
             raise TypeError(f"{cls.__name__} defines {', '.join(stray)} but does not inherit "
-                            "edgepfl.algorithms.base.Reporter, through which the engine "
+                            "edgepfl.contract.algorithm.Reporter, through which the engine "
                             "calls them: add Reporter to its bases")
 
 

@@ -16,11 +16,11 @@ from edgepfl.config import Config, build_config, set_dotted
 from edgepfl.engine.rundir import run_dir_lock
 from edgepfl.engine.simulation import resolve
 from edgepfl.errors import EdgepflError
+from edgepfl.experiments.runs import Finished, PlannedRun, check_jobs, run_all
 from edgepfl.io import write_bytes_atomic, write_csv
 from edgepfl.plotting import partition_words, setting_line
 from edgepfl.report import stats
 from edgepfl.report.plots import plot_curves, seed_curves
-from edgepfl.report.runs import Finished, PlannedRun, check_jobs, run_all
 
 # one row per run; these columns are what the table had before its statistics were added,
 # kept in their order for whoever reads the file by position
@@ -129,7 +129,7 @@ def check_runnable(configs: dict[str, Config]) -> None:
     the comparison before the others have spent their time."""
     from edgepfl.engine.parts import Parts
     from edgepfl.errors import ConfigError
-    from edgepfl.report.runs import federation_of
+    from edgepfl.experiments.runs import federation_of
 
     for name, cfg in configs.items():
         try:

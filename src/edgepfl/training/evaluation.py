@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgepfl.algorithms.devices import to_device
+from edgepfl.training.device import to_device
 
 
 class Evaluation:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edgepfl.algorithms.sgd import GradHook
+from edgepfl.training.sgd import GradHook
 
 
 @dataclass(frozen=True)

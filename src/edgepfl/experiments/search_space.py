@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from edgepfl.algorithms import get_algorithm
-from edgepfl.algorithms.base import Choice, IntRange, LogUniform, SearchRange, Uniform
 from edgepfl.config import TrainConfig, build_config, parse_value, set_dotted
+from edgepfl.contract.algorithm import Choice, IntRange, LogUniform, SearchRange, Uniform
 from edgepfl.engine.rundir import EXECUTION
 from edgepfl.errors import ConfigError
 
