@@ -431,7 +431,7 @@ def test_resume_draws_the_same_crops(any_size, tmp_path):
 
 
 def test_a_flower_node_cuts_the_simulations_crops(any_size):
-    flower = pytest.importorskip("edgepfl.engine.flower")
+    flower = pytest.importorskip("edgepfl.engine.flower_client")
     cfg = resolve(aspect_config("dataset.aspect_mode=client", "seed=3"))
     node = flower._node(json.dumps(cfg.model_dump(), sort_keys=True))
     _, ours = splits(cfg)

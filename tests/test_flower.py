@@ -16,20 +16,20 @@ from flwr.clientapp import ClientApp  # noqa: E402
 
 from edgepfl.algorithms import get_algorithm  # noqa: E402
 from edgepfl.config import build_config  # noqa: E402
-from edgepfl.engine import flower, flower_local  # noqa: E402
-from edgepfl.engine.flower import (  # noqa: E402
+from edgepfl.engine import flower, flower_client, flower_local  # noqa: E402
+from edgepfl.engine.flower import client_app  # noqa: E402
+from edgepfl.engine.flower_local import LocalGrid, _server_identity, run_local  # noqa: E402
+from edgepfl.engine.flower_wire import (  # noqa: E402
     COLUMNS,
     META,
     STATE,
     STATS,
     TENSORS,
-    client_app,
     config_from_run,
     from_content,
     partition_id,
     to_content,
 )
-from edgepfl.engine.flower_local import LocalGrid, _server_identity, run_local  # noqa: E402
 from edgepfl.engine.simulation import METRIC_COLUMNS, Simulation  # noqa: E402
 from edgepfl.engine.transport import TooFewReplies  # noqa: E402
 from edgepfl.errors import ConfigError, EdgepflError  # noqa: E402
@@ -225,9 +225,9 @@ def test_diverging_client_shows_as_nan_train_loss(monkeypatch):
         return result
 
     monkeypatch.setattr(client_class, "update", update)
-    flower._node.cache_clear()
+    flower_client._node.cache_clear()
     result = run_local(run_config(algorithm__name="fedavg"))
-    flower._node.cache_clear()
+    flower_client._node.cache_clear()
     assert all(math.isnan(r["train_loss"]) for r in result.metrics)
 
 

@@ -37,7 +37,8 @@ from flwr.app import Array, Context, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
-from edgepfl.engine import flower as efl
+from edgepfl.engine import flower_client as efl
+from edgepfl.engine import flower_wire as wire
 
 KINDS = ("nan", "shape", "dtype", "unknown", "meta", "count", "records", "oversize", "raise")
 FAULT_SEED, FAULT_RATE, FAULT_LOG = "fault-seed", "fault-rate", "fault-log"
@@ -88,15 +89,15 @@ class Log:
 
 
 def _setup(message: FlowerMessage, context: Context):
-    cfg = efl.config_from_run(context.run_config)
-    cid = efl.partition_id(context, cfg.partition.clients)
+    cfg = wire.config_from_run(context.run_config)
+    cid = wire.partition_id(context, cfg.partition.clients)
     log = Log(context, cid)
     try:
         rnd = int(message.metadata.group_id)
     except ValueError:
         rnd = -1
     path = efl._state_file(context, cfg, cid)
-    source = "memory" if efl.STATE in context.state else (
+    source = "memory" if wire.STATE in context.state else (
         "disk" if path is not None and path.exists() else "init")
     log("call", type=message.metadata.message_type, round=rnd, source=source, **file_state(path))
     return cfg, cid, rnd, path, log
@@ -108,7 +109,7 @@ def _float_name(arrays) -> str:
 
 def corrupt(content: RecordDict, kind: str, cap: int | None) -> str:
     """Break a train reply in place; returns what was done, for the log."""
-    arrays = content[efl.TENSORS]
+    arrays = content[wire.TENSORS]
     if kind in ("nan", "shape", "dtype"):
         name = _float_name(arrays)
         value = arrays[name].numpy().copy()
@@ -128,16 +129,16 @@ def corrupt(content: RecordDict, kind: str, cap: int | None) -> str:
         arrays["injected.padding"] = Array(np.zeros((cap or 1 << 20) // 4 + 1, np.float32))
         return f"tensor 'injected.padding' of {arrays['injected.padding'].numpy().nbytes} bytes"
     if kind == "meta":
-        meta = content[efl.META]
+        meta = content[wire.META]
         keys = list(meta) or ["num_samples"]
         for key in keys:
             meta[key] = str(meta[key]) if key in meta else "many"
         return f"metadata {keys} as strings"
     if kind == "count":
-        content[efl.STATS]["num_samples"] = -1
+        content[wire.STATS]["num_samples"] = -1
         return "num_samples = -1"
     if kind == "records":
-        del content[efl.META]
+        del content[wire.META]
         return f"records {sorted(content)} only"
     raise ValueError(kind)
 

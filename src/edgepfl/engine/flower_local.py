@@ -18,14 +18,9 @@ from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
-from edgepfl.engine.flower import (
-    PARTITION_ID,
-    WAIT,
-    FlowerResult,
-    client_app,
-    config_from_run,
-    run_server,
-)
+from edgepfl.engine.flower_client import client_app
+from edgepfl.engine.flower_server import FlowerResult, run_server
+from edgepfl.engine.flower_wire import PARTITION_ID, WAIT, config_from_run
 
 if TYPE_CHECKING:
     from flwr.supercore.run import Run
