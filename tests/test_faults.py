@@ -38,14 +38,14 @@ def assert_same_state(before: tuple[dict, dict], after: tuple[dict, dict], what:
 def recording(sim: Simulation) -> list:
     """The deliveries of every client step of ``sim``'s rounds, as they happen."""
     seen = []
-    train = sim.rounds._train
+    train = sim.rounds.train
 
     def spy(record, step, down):
         delivery = train(record, step, down)
         seen.append((step, sorted(down), delivery))
         return delivery
 
-    sim.rounds._train = spy
+    sim.rounds.train = spy
     return seen
 
 

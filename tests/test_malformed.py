@@ -86,7 +86,7 @@ def honest_run(case: tuple) -> Run:
                                      f"faults.max_message_bytes={CAP}", "eval.every=100",
                                      *overrides), progress=False)
         steps: list[Step] = []
-        train = sim.rounds._train
+        train = sim.rounds.train
 
         def spy(record, step, down):
             delivery = train(record, step, down)
@@ -97,7 +97,7 @@ def honest_run(case: tuple) -> Run:
                               copy.deepcopy((sim.rounds.server, sim.rounds.edges))))
             return delivery
 
-        sim.rounds._train = spy
+        sim.rounds.train = spy
         for _ in range(rounds):
             sim.step()
         _RUNS[key] = Run(sim, steps)

@@ -51,7 +51,7 @@ def hierarchical_round(rounds: Rounds, record: RoundRecord) -> None:
         # the client step seeds the clients' work: the same in both schedules up to k2
         step = (rnd - 1) * k2 + s if s <= k2 else ("async", rnd, s)
         clients = sorted(c for k in working for c in by_edge[k])
-        delivery = rounds._train(record, step, {c: down[c] for c in clients})
+        delivery = rounds.train(record, step, {c: down[c] for c in clients})
         book.delivered(delivery)
         for k in working:
             mine = {c: delivery.arrived[c].message for c in by_edge[k] if c in delivery.arrived}

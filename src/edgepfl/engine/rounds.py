@@ -196,7 +196,7 @@ class Rounds:
             reporter.observe(record)
         return record
 
-    def _train(self, record: RoundRecord, step: object, down: dict[int, Message]) -> Delivery:
+    def train(self, record: RoundRecord, step: object, down: dict[int, Message]) -> Delivery:
         """Deliver ``down`` to its clients, less the ones the fault model drops, and collect
         the replies. A reply later than ``faults.deadline``, a malformed one and a client
         that did not reply are failures: logged, counted, never aggregated. In a hierarchy
@@ -254,7 +254,7 @@ class Rounds:
         with self.flops.measure() as configure_flops:
             down = self.server.configure(rnd, record.selected)
         record.selected = selected = participants(down, record.selected, self.federation, rnd)
-        delivery = record.delivery = self._train(record, rnd, {cid: down[cid] for cid in selected})
+        delivery = record.delivery = self.train(record, rnd, {cid: down[cid] for cid in selected})
         with self.flops.measure() as aggregate_flops:
             if delivery.arrived:  # a round nobody replied in leaves the server as it was
                 self.server.aggregate(rnd, self.privacy.replies(
