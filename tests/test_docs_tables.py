@@ -1,4 +1,5 @@
-"""docs/algorithms.md's supports table is the registry's: written from it, checked here."""
+"""docs/algorithms.md's supports table and README.md's list of algorithm names are the
+registry's: written from it, checked here."""
 
 from edgepfl.algorithms import ALGORITHMS
 from edgepfl.registered import origin
@@ -10,6 +11,18 @@ def test_the_docs_table_is_the_registrys():
     assert at.with_table(text, at.supports_table()) == text, (
         "docs/algorithms.md's supports table differs from the registry: run "
         "python -m edgepfl.report.algorithm_table")
+
+
+def test_the_readmes_list_of_names_is_the_registrys():
+    text = at.README.read_text()
+    assert at.with_table(text, at.name_list(), at.NAMES_BEGIN, at.NAMES_END) == text, (
+        "README.md's list of algorithm names differs from the registry: run "
+        "python -m edgepfl.report.algorithm_table")
+    shipped = [n for n in ALGORITHMS if origin("algorithm", n) is None]
+    listed = at.name_list()
+    assert listed.startswith(f"{len(shipped)} algorithms: ")
+    assert all(f"`{n}`" in listed for n in shipped)
+    assert listed.index("`hierbayes`") > listed.index("through edge servers")
 
 
 def test_the_table_reads_what_each_algorithm_declares():
@@ -25,12 +38,17 @@ def test_the_table_reads_what_each_algorithm_declares():
 
 
 def test_check_mode_says_when_the_file_drifted(tmp_path, monkeypatch, capsys):
-    doc = tmp_path / "algorithms.md"
+    doc, readme = tmp_path / "algorithms.md", tmp_path / "README.md"
     doc.write_text(f"intro\n{at.BEGIN}\n| stale |\n{at.END}\nrest\n")
+    readme.write_text(f"top\n{at.NAMES_BEGIN}\n`stale`\n{at.NAMES_END}\nend\n")
     monkeypatch.setattr(at, "DOC", doc)
-    assert at.main(["--check"]) == 1 and "differs" in capsys.readouterr().err
+    monkeypatch.setattr(at, "README", readme)
+    assert at.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "algorithms.md" in err and "README.md" in err and "differs" in err
     assert at.main([]) == 0 and at.main(["--check"]) == 0
     assert doc.read_text().startswith("intro\n") and doc.read_text().endswith(f"{at.END}\nrest\n")
+    assert "`fedavg`" in readme.read_text() and "`stale`" not in readme.read_text()
 
 
 def test_a_plugins_algorithm_stays_out_of_the_docs_table(monkeypatch):

@@ -199,10 +199,8 @@ class TrainConfig(_Section):
     batch_clients: bool = Field(
         False, description="train a step's clients together, their SGD steps batched into one "
         "with torch.func.vmap (clients whose algorithm states its training as a fit request: "
-        "fedavg, fedprox, local, kapc, kapc_bls, dcpfl, fedamp, clusterfl, fedper, pfedla, "
-        "fedbn, hmpl (per tier model), hmpl_s, pfedme, perfedavg, perfedavg_hf, heterofl (per "
-        "width); each client's "
-        "BatchNorm statistics its own; models without dropout; others train one after "
+        "the 'batched clients' column of docs/algorithms.md's supports table; several "
+        "architectures, per architecture); each client's BatchNorm statistics its own; models without dropout; others train one after "
         "another); weights equal the sequential "
         "run's within float tolerance; pays on a GPU, not on a CPU (bench/speed/README.md); needs "
         "train.workers = 1")
