@@ -82,6 +82,7 @@ class FedAvgMClient(Client):
         return UpdateResult(Message(trained, {"num_samples": data.n}), state, stats)
 
     def personal_model(self, state: State, eval_msg: Message | None) -> State:
+        assert eval_msg is not None  # the server's eval_message: the global model, always
         return eval_msg.tensors
 
 
