@@ -70,8 +70,12 @@ def row(method: str, runs: Path, rounds: int, seeds: list[int], pfl: str) -> lis
     flag = "n/a" if math.isnan(spread) else (
         f"{100 * (me - mp):+.2f} ({'beyond' if abs(me - mp) > spread else 'within'} "
         f"{100 * spread:.2f}; p = {ttest_ind(pb, eb, equal_var=False).pvalue:.2f})")
-    return [method, cell(pb), cell(eb), cell([c[-1] for c in p]), cell([c[-1] for c in e]),
-            flag, cell([max(c) for c in u]), cell([c[-1] for c in u])]
+    pf, ef = [c[-1] for c in p], [c[-1] for c in e]
+    final = "n/a" if len(pf) < 2 or len(ef) < 2 else (
+        f"{100 * (mean(ef) - mean(pf)):+.2f} (p = "
+        f"{ttest_ind(pf, ef, equal_var=False).pvalue:.2f})")
+    return [method, cell(pb), cell(eb), cell(pf), cell(ef), flag, final,
+            cell([max(c) for c in u]), cell([c[-1] for c in u])]
 
 
 def main() -> None:
@@ -85,9 +89,9 @@ def main() -> None:
     args = ap.parse_args()
     runs = Path(args.runs)
     print("| method | PFLlib best | edgepfl best | PFLlib final | edgepfl final | "
-          "edgepfl - PFLlib, best (vs seed spread) | edgepfl unweighted best | "
-          "edgepfl unweighted final |")
-    print("|---|---|---|---|---|---|---|---|")
+          "edgepfl - PFLlib, best (vs seed spread; Welch p) | edgepfl - PFLlib, final "
+          "(Welch p) | edgepfl unweighted best | edgepfl unweighted final |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for method in args.methods:
         print("| " + " | ".join(row(method, runs, args.rounds, args.seeds, args.pfllib_dir))
               + " |")
