@@ -358,8 +358,21 @@ class PrivacyConfig(_Section):
         1.0, ge=0, description="the Gaussian noise's standard deviation in multiples of "
         "privacy.clip, on the sum of clipped updates (client) or of clipped per-sample "
         "gradients (sample); 0 gives no guarantee (epsilon infinite)")
-    clip: float = Field(1.0, gt=0, description="the L2 bound of each client's model update "
-                        "(client) or each sample's gradient (sample)")
+    clip: float | Literal["adaptive"] = Field(
+        1.0, description="the L2 bound of each client's model update (client) or each "
+        "sample's gradient (sample), > 0; 'adaptive' (client level): the bound follows "
+        "privacy.target_quantile of the update norms, privately (Andrew et al. 2021)")
+    clip_initial: float = Field(0.1, gt=0, description="privacy.clip = 'adaptive': the "
+                                "first round's clip, > 0")
+    target_quantile: float = Field(0.5, gt=0, lt=1, description="privacy.clip = 'adaptive': "
+                                   "the quantile of the update norms the clip tracks, in (0, 1)")
+    clip_lr: float = Field(0.2, gt=0, description="privacy.clip = 'adaptive': the clip's "
+                           "geometric step, C <- C exp(-clip_lr (fraction unclipped - "
+                           "target_quantile)), > 0")
+    clip_count_stddev: float | None = Field(
+        None, ge=0, description="privacy.clip = 'adaptive': the std of the Gaussian noise on "
+        "the count of unclipped updates, >= 0, above privacy.noise_multiplier / 2 (or 0 "
+        "with noise_multiplier 0); None: the aggregator's sampled clients / 20")
     delta: float | None = Field(
         None, gt=0, lt=1, description="the delta of (epsilon, delta)-DP; None: 1 / the number "
         "of clients (client), 1 / each client's number of training samples (sample)")
@@ -384,9 +397,20 @@ class PrivacyConfig(_Section):
         "trusts its edge); cloud is refused (an edge would hand its clients an un-noised "
         "average for topology.edge_rounds rounds)")
 
+    @field_validator("clip", mode="before")
+    @classmethod
+    def _clip(cls, value: Any) -> Any:
+        if value == "adaptive" or (isinstance(value, int | float) and not isinstance(value, bool)
+                                   and value > 0):
+            return value
+        raise ValueError(f"privacy.clip = {value!r}: give a number > 0 (a fixed clip) or "
+                         "'adaptive' (client level: the clip follows a quantile of the update "
+                         "norms)")
+
     @model_validator(mode="after")
     def _acting(self) -> PrivacyConfig:
         _check_privacy(self)
+        _check_adaptive(self)
         return self
 
 
@@ -396,6 +420,26 @@ MAX_NOISE = 1e6
 # below this the pld accountant's privacy loss distribution (its size grows as 1/noise^2)
 # takes seconds to minutes per epsilon (1e-6: petabytes), for an epsilon of 10 or more a step
 PLD_MIN_NOISE = 0.3
+
+
+ADAPTIVE = ("clip_initial", "target_quantile", "clip_lr", "clip_count_stddev")
+
+
+def _check_adaptive(p: PrivacyConfig) -> None:
+    """Adaptive clipping is client level only; its settings act with it alone."""
+    if p.clip == "adaptive" and p.level != "client":
+        raise ValueError(f"privacy.clip = 'adaptive' with privacy.level = {p.level!r}: adaptive "
+                         "clipping is for client level (the clip of each client's update); "
+                         "set privacy.level = 'client' or give privacy.clip a number > 0")
+    # a setting at its default is not 'given': a run's whole config, validated again (a
+    # resumed run, a Flower run config), names every field
+    fields = type(p).model_fields
+    given = [f"privacy.{k}" for k in ADAPTIVE
+             if k in p.model_fields_set and getattr(p, k) != fields[k].default]
+    if given and p.clip != "adaptive":
+        raise ValueError(f"{', '.join(given)} given with privacy.clip = {p.clip!r}: they set "
+                         "adaptive clipping; set privacy.clip = 'adaptive' (privacy.level = "
+                         "'client') or leave them out")
 
 
 def _check_privacy(p: PrivacyConfig) -> None:
@@ -413,9 +457,10 @@ def _check_privacy(p: PrivacyConfig) -> None:
         raise ValueError(f"privacy.noise_multiplier = {p.noise_multiplier:g}: beyond "
                          f"{MAX_NOISE:g} epsilon is already 0.0 and the noise drowns any "
                          f"model; give a value from 0 to {MAX_NOISE:g}")
-    if p.noise_multiplier * p.clip > MAX_NOISE:
+    clip = p.clip_initial if p.clip == "adaptive" else p.clip
+    if p.noise_multiplier * clip > MAX_NOISE:
         raise ValueError(f"privacy.noise_multiplier x privacy.clip = "
-                         f"{p.noise_multiplier * p.clip:g} is the noise's standard deviation "
+                         f"{p.noise_multiplier * clip:g} is the noise's standard deviation "
                          f"on every weight of a noised sum: beyond {MAX_NOISE:g} it drowns "
                          "any model (and overflows float32 in training); lower privacy.clip "
                          "or privacy.noise_multiplier")

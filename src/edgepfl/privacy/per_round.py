@@ -26,6 +26,7 @@ from edgepfl.federation.messages import Message
 from edgepfl.federation.rng import generator, select_clients
 from edgepfl.federation.topology import CLOUD, Federation
 from edgepfl.privacy.accountant import client_epsilon, groups_of, library, sample_epsilon
+from edgepfl.privacy.adaptive import AdaptiveClip
 from edgepfl.privacy.dp_fedavg import Clipped, PrivacyError, private_replies
 from edgepfl.privacy.dpsgd import RATE, STEPS, poisson_plan
 
@@ -134,6 +135,9 @@ class ClientPrivacy(_Budgeted):
         self.groups = groups_of([(n, len(select_clients(0, 1, n, share))) for n in sizes])
         self.delta = self.p.delta if self.p.delta is not None else 1.0 / fed.num_clients
         self.counts = Clipped()
+        sampled = [len(select_clients(0, 1, n, share)) for n in sizes]
+        self.adaptive = (AdaptiveClip(self.p, federation, sampled)
+                         if self.p.clip == "adaptive" else None)
         if self.delta >= 1.0 / fed.num_clients:
             log.warning("privacy: delta %g (%s) is at least 1 / %d clients: a mechanism that "
                         "publishes one client's data whole meets such a guarantee; set "
@@ -159,13 +163,32 @@ class ClientPrivacy(_Budgeted):
                 arrived: dict[int, Message], expected: int) -> dict[int, Message]:
         where = "the server" if aggregator == CLOUD else f"edge {aggregator}"
         gen = generator(self.cfg.seed, "privacy", step, aggregator)
-        return private_replies(arrived, sent, expected, self.p.clip, self.p.noise_multiplier,
-                               gen, f"client step {step}, {where}", self.counts)
+        adaptive = self.adaptive
+        if adaptive is None:
+            assert not isinstance(self.p.clip, str)
+            return private_replies(arrived, sent, expected, self.p.clip,
+                                   self.p.noise_multiplier, gen,
+                                   f"client step {step}, {where}", self.counts)
+        counts = Clipped()
+        out = private_replies(arrived, sent, expected, adaptive.clip(aggregator),
+                              adaptive.noise_multiplier(aggregator), gen,
+                              f"client step {step}, {where}", counts)
+        if counts.replies:
+            adaptive.update(aggregator, counts.replies, counts.replies - counts.clipped,
+                            generator(self.cfg.seed, "privacy-clip", step, aggregator))
+        self.counts.replies += counts.replies
+        self.counts.clipped += counts.clipped
+        return out
+
+    def trained(self, ledger: Any, delivery: Any) -> None:
+        if self.adaptive is not None:  # the clips live in the ledger the run goes on with
+            self.adaptive.bind(ledger)
 
     def row(self, ledger: Any, rnd: int) -> dict[str, float]:
         counts, self.counts = self.counts, Clipped()
         return {"epsilon": self.epsilon(ledger, rnd),
-                "dp_clipped": counts.clipped / counts.replies if counts.replies else math.nan}
+                "dp_clipped": counts.clipped / counts.replies if counts.replies else math.nan,
+                **(self.adaptive.row() if self.adaptive is not None else {})}
 
     def summary(self, ledger: Any, rounds_done: int) -> dict[str, Any]:
         return {"epsilon": self.epsilon(ledger, rounds_done), "delta": self.delta,
@@ -173,7 +196,17 @@ class ClientPrivacy(_Budgeted):
                             "aggregators": [{"clients": n, "sampled": k}
                                             for n, k in self.groups],
                             "noise_at": ("edge" if self.federation.hierarchical
-                                         else "server")}}
+                                         else "server"),
+                            **(self._adaptive(ledger) if self.adaptive is not None else {})}}
+
+    def _adaptive(self, ledger: Any) -> dict[str, Any]:
+        a, p = self.adaptive, self.p
+        assert a is not None
+        return {"clip_final": a.final(ledger), "clip_initial": p.clip_initial,
+                "target_quantile": p.target_quantile, "clip_lr": p.clip_lr,
+                "clip_count_stddev": a.stddev if self.federation.hierarchical else a.stddev[0],
+                "update_noise_multiplier": (a.multiplier if self.federation.hierarchical
+                                            else a.multiplier[0])}
 
 
 class SamplePrivacy(_Budgeted):

@@ -126,6 +126,6 @@ def make_trainer(cfg: Config, model: torch.nn.Module, device: torch.device) -> T
     """The trainer of an architecture: DP-SGD's at sample level, else the plain one."""
     p = cfg.privacy
     if p.level == "sample":
-        return PrivateTrainer(model, cfg.eval.batch_size, device=device, clip=p.clip,
+        return PrivateTrainer(model, cfg.eval.batch_size, device=device, clip=float(p.clip),
                               noise_multiplier=p.noise_multiplier)
     return Trainer(model, cfg.eval.batch_size, device=device, compile=cfg.train.compile)
