@@ -3,7 +3,8 @@
 
 * ``privacy.level = "client"``: DP-FedAvg, each client's model update clipped and Gaussian
   noise on their sum at the aggregator, for algorithms whose aggregation
-  is a mean of client models (``PrivacySupport(client="mean")``): ``dp_fedavg``.
+  is a mean of client models (``PrivacySupport(client="mean")``): ``dp_fedavg``; with
+  ``privacy.clip = "adaptive"`` the clip tracks a quantile of the update norms (``adaptive``).
 * ``privacy.level = "sample"``: DP-SGD in every client's local training (``dpsgd``).
 * ``accountant``: epsilon from Google's dp-accounting, never a formula of ours.
 * ``per_round``: what the round loop calls; ``support``: the set-up checks and the trainer.
