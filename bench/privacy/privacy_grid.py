@@ -87,8 +87,13 @@ def main() -> None:
     ap.add_argument("--local-epochs", type=int, default=1)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--client-clip", type=float, default=0.3,
-                    help="privacy.clip at client level (the L2 bound of a model update)")
+    ap.add_argument("--client-clip", default="0.3",
+                    help="privacy.clip at client level (the L2 bound of a model update), or "
+                    "adaptive (Andrew et al. 2021)")
+    ap.add_argument("--count-stddev", type=float, default=1.0,
+                    help="with --client-clip adaptive: privacy.clip_count_stddev in multiples "
+                    "of the calibrated noise multiplier (1: the update's noise is raised by "
+                    "(1 - 1/4)^-1/2, 15%%)")
     ap.add_argument("--sample-clip", type=float, default=1.0,
                     help="privacy.clip at sample level (the L2 bound of a sample's gradient)")
     ap.add_argument("--algo-set", action="append", default=[], metavar="ALGO:KEY=VALUE",
@@ -117,6 +122,8 @@ def main() -> None:
                     clip = args.client_clip if level == "client" else args.sample_clip
                     over += [f"privacy.level={level}", f"privacy.noise_multiplier={noise}",
                              f"privacy.clip={clip}", f"privacy.target_epsilon={eps}"]
+                    if clip == "adaptive":
+                        over.append(f"privacy.clip_count_stddev={args.count_stddev * noise}")
                     print(f"{name} seed {seed}: noise {noise:.4g} "
                           f"({time.perf_counter() - t0:.0f} s to calibrate)", flush=True)
                 t0 = time.perf_counter()
