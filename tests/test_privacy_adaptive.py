@@ -102,8 +102,20 @@ def test_the_update_noise_leaves_the_total_at_the_noise_multiplier():
     assert sim.rounds.privacy.adaptive.multiplier == [z_delta]
 
 
-def test_epsilon_is_the_fixed_clips_with_the_same_noise_multiplier():
+def test_epsilon_is_the_fixed_clips_with_the_same_noise_multiplier(monkeypatch):
+    from edgepfl.privacy import per_round
+
+    used = []
+    real = per_round.private_replies
+
+    def spy(arrived, sent, expected, clip, noise_multiplier, *rest):
+        used.append((clip, noise_multiplier))
+        return real(arrived, sent, expected, clip, noise_multiplier, *rest)
+
+    monkeypatch.setattr(per_round, "private_replies", spy)
     adaptive = run(*ADAPTIVE, "privacy.noise_multiplier=1.5", "privacy.clip_count_stddev=1")
+    # each round's sum clipped at that round's clip, noised at z_delta
+    assert used == [(r["clip"], delta_multiplier(1.5, 1.0)) for r in adaptive.metrics]
     fixed = run("privacy.noise_multiplier=1.5", "privacy.clip=0.3")
     assert [r["epsilon"] for r in adaptive.metrics] == [r["epsilon"] for r in fixed.metrics]
     assert adaptive.summary()["epsilon"] == fixed.summary()["epsilon"]
