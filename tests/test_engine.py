@@ -10,6 +10,7 @@ import pytest
 from edgepfl.engine.rounds import Rounds
 from edgepfl.engine.simulation import CHECKPOINT, Simulation, resume_run, start_run
 from edgepfl.errors import ConfigError, EdgepflError
+from edgepfl.federation.messages import MessageError
 from tests.conftest import crash_after, fast_config, forget_algorithm_setting
 
 SUMMARY_KEYS = {"algorithm", "dataset", "clients", "rounds", "seed", "acc_mean_best", "best_round",
@@ -319,13 +320,18 @@ def test_a_client_whose_model_blew_up_is_counted_not_hidden(caplog):
     assert sim.summary()["clients_diverged_final"] == 1
 
 
-def test_a_server_that_chooses_impossible_participants_is_stopped(monkeypatch):
+def test_a_server_that_configures_impossible_participants_is_stopped(monkeypatch):
     sim = Simulation(fast_config("train.participation=0.5"), progress=False)
-    for chosen in ([2, 1], [0, 0], [6], []):
-        monkeypatch.setattr(sim.server, "participants", lambda rnd, sampled, c=chosen: c)
-        with pytest.raises(ValueError, match="sorted, distinct client ids in 0..5"):
+    configure = sim.server.configure
+    # a client out of range, none at all, the sample less one of its clients
+    for chosen in (lambda s: [*s, 6], lambda s: [], lambda s: s[1:]):
+        monkeypatch.setattr(sim.server, "configure",
+                            lambda rnd, sampled, c=chosen: configure(rnd, c(sampled)))
+        with pytest.raises(MessageError, match="may add only clients that train"):
             sim.step()
-    monkeypatch.setattr(sim.server, "participants", lambda rnd, sampled: [0, 1, 2, 3, 4, 5])
+    assert sim.round == 0  # nothing was played
+    monkeypatch.setattr(sim.server, "configure",
+                        lambda rnd, sampled: configure(rnd, [0, 1, 2, 3, 4, 5]))
     assert sim.step()["clients"] == 6
 
 

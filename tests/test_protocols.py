@@ -17,7 +17,7 @@ def _stepped(*overrides):
     while sim.round < sim.cfg.train.rounds:
         sim.step()
         per_round.append(list(sim.client_acc))
-        selected.append(sim.rounds._selected)
+        selected.append(sim.rounds.last_record.selected)
     return sim, np.array(per_round), selected
 
 
