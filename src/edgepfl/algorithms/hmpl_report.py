@@ -140,7 +140,7 @@ def tier_costs(times: dict[int, float], flops: dict[int, int] | None,
 @cache
 def step_memory(stage: int, input_shape: tuple[int, int, int], classes: int,
                 batch: int) -> dict[str, int]:
-    """``models.memory.training_step_bytes`` of the tier model of ``stage``."""
+    """``models.step_memory.training_step_bytes`` of the tier model of ``stage``."""
     with torch.random.fork_rng(devices=[]):  # the run's generator is left as it was
         model = tier_module(stage, input_shape[0], classes)
     return training_step_bytes(model, input_shape, batch)

@@ -71,9 +71,9 @@ class Hyperparameters(BaseModel):
     # the settings worth searching (``edgepfl tune``), by hyperparameter name: those the
     # method's paper tunes or shows it is sensitive to, over ranges whose every value the
     # fields' own checks accept, alone and in any combination; a ``train.<key>`` entry
-    # replaces the common range of that setting for this method (``report.tune``)
+    # replaces the common range of that setting for this method (``experiments.tune``)
     search_space: ClassVar[dict[str, SearchRange]] = {}
-    # train.* settings of the common search space (``report.tune.TRAIN_SPACE``) that the
+    # train.* settings of the common search space (``experiments.tune.TRAIN_SPACE``) that the
     # method never reads: a trial spent on them would only measure noise
     not_searched: ClassVar[tuple[str, ...]] = ()
 

@@ -145,11 +145,11 @@ def compare(base: Config, algorithms: list[str], seeds: list[int], out: Path,
             reference: str | None = None, settings: dict[str, dict] | None = None,
             tuned: dict[str, str] | None = None) -> list[dict]:
     """Every algorithm with every seed into ``out/<algorithm>-seed<k>`` (``jobs`` at a
-    time, resumable: ``report.runs``), then comparison.csv, .md and .png. Everything the
+    time, resumable: ``experiments.runs``), then comparison.csv, .md and .png. Everything the
     user gave is checked before the first run starts. Returns the table's rows.
 
     ``settings``: per algorithm, dotted settings applied over the base and its --set (a
-    study's best, ``report.tune``); ``tuned``: per algorithm, what it was tuned with, for
+    study's best, ``experiments.tune``); ``tuned``: per algorithm, what it was tuned with, for
     the table, which then says of every algorithm whether it was tuned."""
     with run_dir_lock(out, "comparison"):  # one compare writes its folder at a time
         return _compare(base, algorithms, seeds, out, progress, echo, jobs=jobs,

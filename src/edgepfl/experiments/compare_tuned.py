@@ -1,6 +1,6 @@
 """``compare --tuned``: what studies chose, brought into a comparison.
 
-Apart from running a study (``report.tune``) because a comparison reads only what a study
+Apart from running a study (``experiments.tune``) because a comparison reads only what a study
 left behind (its best.json), long after and without Optuna; and the notes printed here
 are about whether the methods compared were treated alike, which is the comparison's
 question, not the study's.

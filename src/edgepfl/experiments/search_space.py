@@ -1,6 +1,6 @@
 """What a study searches: the ranges of ``--space``, the algorithms' own, and their text.
 
-Apart from running the study (``report.tune``) because every range is read and checked
+Apart from running the study (``experiments.tune``) because every range is read and checked
 against the base configuration before the first trial, without Optuna; and because the
 text a range or a value is written in (``spec_text``, ``value_text``) is what a study
 records and what its best.json hands to ``--set``, so it must read back the same.

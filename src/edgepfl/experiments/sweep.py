@@ -2,7 +2,7 @@
 
 ``--grid train.lr=0.01,0.05 --grid partition.alpha=0.1,0.5`` plans four configurations;
 each is checked whole (as ``--set`` would check it) before the first run starts, so a
-misspelt key or a value out of range costs nothing. The runs go through ``report.runs``
+misspelt key or a value out of range costs nothing. The runs go through ``experiments.runs``
 (resumable, ``jobs`` at a time), one directory each, named from the varied values; the
 table has the varied settings as columns and the figures over seeds (``report.stats``).
 """

@@ -7,10 +7,10 @@ accuracy over its rounds (``val_acc_mean_best``). The test split is never looked
 choice made on test accuracy is fitted to the test set, and the comparison on it
 afterwards (``compare --tuned``) would then flatter whichever method was tuned hardest.
 
-The search space (``report.search_space``) is the common one (``TRAIN_SPACE``, the
+The search space (``experiments.search_space``) is the common one (``TRAIN_SPACE``, the
 learning rate) with the algorithm's own (``Hyperparameters.search_space``), less the
 settings ``--set`` fixes, with ``--space`` on top. What a study chose is read back for a
-comparison by ``report.compare_tuned``.
+comparison by ``experiments.compare_tuned``.
 
 Resuming and sharing. The study is the record: the same command again counts the trials
 that are done (complete, pruned, or failed because of their configuration) and runs the
