@@ -154,6 +154,10 @@ def test_bad_plugins_are_named_errors(tmp_path):
     assert res.exit_code == 2 and "no such file" in res.output
     res = invoke("run", "--plugin", "no_such_module_anywhere")
     assert res.exit_code == 2 and "no module of that name" in res.output
+    text = tmp_path / "notes.txt"  # a file, but no loader takes its suffix
+    text.write_text("register_model = 1\n")
+    res = invoke("run", "--plugin", str(text))
+    assert res.exit_code == 2 and "is not a Python source file" in res.output
     taken = tmp_path / "taken.py"
     taken.write_text("from edgepfl.plugins import register_model\n"
                      "register_model('cnn2', lambda c, k, s: None, 'a second cnn2')\n")
