@@ -28,7 +28,8 @@ class RoundRecord:
     client columns; ``losses``: (training loss, samples) of every aggregated reply that
     reported one. A star round keeps its client step's ``delivery`` and the server's
     counted FLOPs (``server_flops``, None where FLOPs are not counted); a hierarchy its
-    ``book`` of edge accounts and ``plan`` (edge rounds per edge)."""
+    ``book`` of edge accounts and, when asynchronous, its ``plan`` (edge rounds per edge;
+    None: every edge ran ``edge_rounds``)."""
 
     round: int
     selected: list[int]

@@ -80,6 +80,10 @@ class AdaptiveClip:
             return list(range(self.federation.num_clients))
         return list(self.federation.members(aggregator))
 
+    def _first(self, aggregator: int) -> int:
+        """A client of ``aggregator``: each holds its aggregator's clip."""
+        return 0 if aggregator == CLOUD else self.federation.members(aggregator)[0]
+
     def bind(self, ledger: Any) -> None:
         """Keep the clips in ``ledger`` (a new run's start at ``privacy.clip_initial``)."""
         self.ledger = ledger
@@ -87,7 +91,7 @@ class AdaptiveClip:
             ledger.privacy[KEY] = [float(self.p.clip_initial)] * ledger.num_clients
 
     def clip(self, aggregator: int) -> float:
-        return float(self.ledger.privacy[KEY][self._members(aggregator)[0]])
+        return float(self.ledger.privacy[KEY][self._first(aggregator)])
 
     def noise_multiplier(self, aggregator: int) -> float:
         return self.multiplier[self._index(aggregator)]

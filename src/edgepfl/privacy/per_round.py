@@ -2,7 +2,7 @@
 the replies an aggregation may see, what each round spends, where the budget stops a run.
 
 * ``replies``: client level, each aggregation's replies become DP-FedAvg's clipped and
-  noised ones (``aggregate.private_replies``); otherwise the replies themselves.
+  noised ones (``dp_fedavg.private_replies``); otherwise the replies themselves.
 * ``trained``: sample level, the DP-SGD steps each client reports, kept in the ledger (so
   a checkpoint keeps them and a resumed run goes on counting).
 * ``row``: the round's ``epsilon`` (client level: the run's; sample level: the largest
@@ -132,10 +132,10 @@ class ClientPrivacy(_Budgeted):
         else:
             sizes = [fed.num_clients]
         # how many clients an aggregator samples: the count ``select`` draws
-        self.groups = groups_of([(n, len(select_clients(0, 1, n, share))) for n in sizes])
+        sampled = [len(select_clients(0, 1, n, share)) for n in sizes]
+        self.groups = groups_of(list(zip(sizes, sampled, strict=True)))
         self.delta = self.p.delta if self.p.delta is not None else 1.0 / fed.num_clients
         self.counts = Clipped()
-        sampled = [len(select_clients(0, 1, n, share)) for n in sizes]
         self.adaptive = (AdaptiveClip(self.p, federation, sampled)
                          if self.p.clip == "adaptive" else None)
         if self.delta >= 1.0 / fed.num_clients:
