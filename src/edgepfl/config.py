@@ -397,6 +397,22 @@ class PrivacyConfig(_Section):
         "trusts its edge); cloud is refused (an edge would hand its clients an un-noised "
         "average for topology.edge_rounds rounds)")
 
+    secure_aggregation: bool = Field(
+        False, description="on Flower, each aggregator (the server, or each edge) learns "
+        "only the sum of its clients' updates, never one client's (Flower's SecAgg+; "
+        "docs/deployment.md, 'Secure aggregation'); with privacy.level = 'client' the clients "
+        "clip their updates and add the noise themselves. For algorithms whose aggregation "
+        "is a sample-weighted mean; the simulation computes the same aggregate in process")
+    secagg_threshold: float = Field(
+        0.5, gt=0, le=1, description="privacy.secure_aggregation: the share of an "
+        "aggregation's sampled clients (at least 2) whose key shares unmask the sum; fewer "
+        "replies and the aggregation fails (and under client-level DP each client adds the "
+        "noise a sum of that many needs)")
+    secagg_range: float = Field(
+        8.0, gt=0, description="privacy.secure_aggregation: every entry of a client's "
+        "weighted update must lie in [-secagg_range, secagg_range] (SecAgg+ quantizes that "
+        "range to 2^22 levels; a client whose update leaves it fails its round, saying so)")
+
     @field_validator("clip", mode="before")
     @classmethod
     def _clip(cls, value: Any) -> Any:
@@ -423,6 +439,7 @@ PLD_MIN_NOISE = 0.3
 
 
 ADAPTIVE = ("clip_initial", "target_quantile", "clip_lr", "clip_count_stddev")
+SECAGG = ("secagg_threshold", "secagg_range")
 
 
 def _check_adaptive(p: PrivacyConfig) -> None:
@@ -445,7 +462,19 @@ def _check_adaptive(p: PrivacyConfig) -> None:
 def _check_privacy(p: PrivacyConfig) -> None:
     """privacy.* settings given without privacy.level, noise that drowns any model, and
     noise too small for the pld accountant are refused (ValueError)."""
-    unused = sorted(k for k in p.model_fields_set if k != "level")
+    secure = p.secure_aggregation
+    given = [f"privacy.{k}" for k in SECAGG
+             if k in p.model_fields_set and getattr(p, k) != type(p).model_fields[k].default]
+    if given and not secure:
+        raise ValueError(f"{', '.join(given)} given without privacy.secure_aggregation = true, "
+                         "which they set: add it or leave them out")
+    if secure and p.clip == "adaptive":
+        raise ValueError("privacy.clip = 'adaptive' with privacy.secure_aggregation = true: the "
+                         "clip follows a noised count of the clients whose update it clipped, "
+                         "which the server would then have to learn through a secure sum too "
+                         "(not implemented); give privacy.clip a number > 0")
+    unused = sorted(k for k in p.model_fields_set
+                    if k != "level" and k != "secure_aggregation" and k not in SECAGG)
     if unused and "level" not in p.model_fields_set:
         raise ValueError(f"{', '.join('privacy.' + k for k in unused)} given without "
                          "privacy.level, which is 'none' (no noise, nothing accounted): add "

@@ -21,6 +21,7 @@ from edgepfl.contract.algorithm import Client
 from edgepfl.data.datasets import Dataset
 from edgepfl.data.partition import Partition
 from edgepfl.engine.client_step import ClientViews, client_step, client_views, evaluate_client
+from edgepfl.engine.flower_secagg import is_secure, secure_mod, secure_reply
 from edgepfl.engine.flower_wire import (
     EDGE_ID,
     META,
@@ -202,10 +203,16 @@ def _query(message: FlowerMessage, context: Context) -> FlowerMessage:
     return FlowerMessage(RecordDict({META: ConfigRecord(said)}), reply_to=message)
 
 
-@client_app.train()
+@client_app.train(mods=[secure_mod])
 def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
     cfg, cid, node = _client(context)
     rnd = _round(message)
+    secure = is_secure(message)
+    if cfg.privacy.secure_aggregation and not secure:
+        # the configuration promises the client that no server sees its update
+        raise MessageError(f"client {cid} runs with privacy.secure_aggregation = true and "
+                           "sends its update only into a SecAgg+ sum, but this train message "
+                           "is not SecAgg+'s (a ServerApp without secure aggregation?)")
     msg = from_content(message.content)
     versions = _versions(context, node, cid, cfg)
     step, state = _before(versions, cid, rnd)
@@ -221,7 +228,6 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
         (v for v in versions if v[0] <= boundary), key=lambda v: v[0], default=(step, state))
     # entries a client does not return keep their value, as in the simulation's store
     _keep(context, cfg, cid, rnd, {**state, **result.state}, prev)
-    content = to_content(result.reply)
     # a NaN loss travels as NaN, so that a diverging client shows, as in the simulation
     stats = {k: float(v) for k, v in result.stats.items()}
     if cfg.privacy.level != "none":
@@ -229,7 +235,13 @@ def _train(message: FlowerMessage, context: Context) -> FlowerMessage:
         # under a privacy guarantee they stay on the device (docs/user-guide.md, "Outside
         # the guarantee"); the simulation keeps them as a measurement
         stats = {k: v for k, v in stats.items() if k not in UNNOISED_STATS}
-    content[STATS] = MetricRecord({**stats, "num_samples": train.n, "train_s": train_s})
+    stats.update(num_samples=train.n, train_s=train_s)
+    if secure:  # SecAgg+'s mod masks the vector before anything leaves the node
+        largest = max(len(share) for share in node.partition.train)
+        return FlowerMessage(secure_reply(cfg, context, msg, result.reply, largest, stats),
+                             reply_to=message)
+    content = to_content(result.reply)
+    content[STATS] = MetricRecord(stats)
     return FlowerMessage(content, reply_to=message)
 
 

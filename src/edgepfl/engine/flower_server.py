@@ -14,6 +14,7 @@ from typing import Any
 
 from edgepfl.config import Config
 from edgepfl.data.datasets import dataset_of
+from edgepfl.engine.flower_secagg import secure_train
 from edgepfl.engine.flower_wire import (
     COLUMNS,
     EDGE_ID,
@@ -220,10 +221,14 @@ class FlowerTransport(Transport):
     evaluate messages carry the client step or round as their ``group_id``."""
 
     def __init__(self, grid: Grid, nodes: Mapping[int, int], timeout: float,
-                 num_clients: int | None = None, parents: tuple[int, ...] | None = None):
+                 num_clients: int | None = None, parents: tuple[int, ...] | None = None,
+                 cfg: Config | None = None):
         self.grid, self.nodes, self.timeout = grid, dict(nodes), timeout
         self.num_clients = len(self.nodes) if num_clients is None else num_clients
         self.parents = parents
+        # privacy.secure_aggregation: train through SecAgg+, one sum per aggregator
+        self.cfg = cfg
+        self.secure_sum = cfg is not None and cfg.privacy.secure_aggregation
 
     def refresh(self) -> None:
         """Follow the nodes that left and joined since the last round: a SuperNode that
@@ -249,6 +254,8 @@ class FlowerTransport(Transport):
     def train(self, step: object, messages: dict[int, Message]
               ) -> dict[int, ClientReply | ClientFailure]:
         self.refresh()
+        if self.secure_sum:
+            return self._secure_train(step, messages)
         replies = _exchange(self.grid, self.nodes,
                             {cid: to_content(m) for cid, m in messages.items()},
                             "train", str(step), self.timeout)
@@ -267,6 +274,22 @@ class FlowerTransport(Transport):
             except MessageError as exc:
                 out[cid] = ClientFailure(f"malformed reply: {exc}")
         return out
+
+    def _secure_train(self, step: object, messages: dict[int, Message]
+                      ) -> dict[int, ClientReply | ClientFailure]:
+        """One SecAgg+ run per aggregator: the clients of each edge, or all of them."""
+        assert self.cfg is not None
+        groups: dict[int, dict[int, Message]] = {}
+        for cid, msg in messages.items():
+            parent = self.parents[cid] if self.parents is not None else CLOUD
+            groups.setdefault(parent, {})[cid] = msg
+        out: dict[int, ClientReply | ClientFailure] = {}
+        for parent, group in groups.items():
+            where = (f"client step {step}, "
+                     f"{'the server' if parent == CLOUD else f'edge {parent}'}")
+            out.update(secure_train(self.grid, self.nodes, group, step, self.timeout,
+                                    self.cfg, where))
+        return {c: out[c] for c in messages}
 
     def evaluate(self, rnd: int, messages: dict[int, Message | None]) -> dict[int, Figures]:
         self.refresh()
@@ -334,7 +357,7 @@ def _run_server(grid: Grid, run_config: Mapping[str, Any], cfg: Config, out: Pat
     dataset = dataset_of(cfg.dataset, cfg.seed)
     n = cfg.partition.clients
     parts = Parts.build(cfg, dataset, n, out)
-    transport = FlowerTransport(None, {}, timeout, n, parts.federation.parent)
+    transport = FlowerTransport(None, {}, timeout, n, parts.federation.parent, cfg)
     rounds = Rounds(parts, transport)
     if resume and out is not None:  # out is set where resume is (checked above)
         load_checkpoint(out / CHECKPOINT, rounds, runtime="flower")  # clients: on the nodes

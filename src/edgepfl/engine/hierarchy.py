@@ -54,11 +54,11 @@ def hierarchical_round(rounds: Rounds, record: RoundRecord) -> None:
         delivery = rounds.train(record, step, {c: down[c] for c in clients})
         book.delivered(delivery)
         for k in working:
-            mine = {c: delivery.arrived[c].message for c in by_edge[k] if c in delivery.arrived}
             with book.edge(k):
-                if mine:  # an edge none of whose clients replied stays as it was
-                    rounds.edges[k].aggregate(rnd, s, rounds.privacy.replies(
-                        step, k, down, mine, len(by_edge[k])))
+                # an edge none of whose clients replied stays as it was
+                if any(c in delivery.arrived for c in by_edge[k]):
+                    rounds.edges[k].aggregate(rnd, s, rounds.aggregated(
+                        step, k, down, delivery, by_edge[k]))
             book.edge_step(k, by_edge[k], down, delivery)
     up_e: dict[int, Message] = {}
     for k in edges:  # every edge reports what it holds; a busy one, its last model

@@ -231,6 +231,16 @@ class Rounds:
                           for r in delivery.arrived.values() if "train_loss" in r.stats]
         return delivery
 
+    def aggregated(self, step: object, aggregator: int, down: dict[int, Message],
+                   delivery: Delivery, clients: list[int]) -> dict[int, Message]:
+        """What ``aggregator`` aggregates of its sampled ``clients``' replies that arrived:
+        privacy's post-processed replies, or a secure sum's, which its clients made
+        private themselves."""
+        mine = {c: delivery.arrived[c].message for c in clients if c in delivery.arrived}
+        if delivery.summed:
+            return mine
+        return self.privacy.replies(step, aggregator, down, mine, len(clients))
+
     def check_reply(self, cid: int, reply: ClientReply) -> None:
         """What every reply must pass before it reaches an aggregate: a size cap, finite
         tensors, a sample count, then the algorithm's own check by the part that
@@ -257,9 +267,8 @@ class Rounds:
         delivery = record.delivery = self.train(record, rnd, {cid: down[cid] for cid in selected})
         with self.flops.measure() as aggregate_flops:
             if delivery.arrived:  # a round nobody replied in leaves the server as it was
-                self.server.aggregate(rnd, self.privacy.replies(
-                    rnd, CLOUD, down, {c: r.message for c, r in delivery.arrived.items()},
-                    len(selected)))
+                self.server.aggregate(rnd, self.aggregated(rnd, CLOUD, down, delivery,
+                                                           selected))
         if self.counting:
             record.server_flops = (configure_flops.flops or 0) + (aggregate_flops.flops or 0)
         record.bytes_down = down_ = delivery.bytes_down(down, selected)

@@ -58,6 +58,9 @@ class Delivery:
     deadline: float | None = None
     rejected: dict[int, str] = field(default_factory=dict)  # client -> why its reply was refused
     lost: dict[int, str] = field(default_factory=dict)  # sent, but no reply came back
+    # the replies are shares of a sum the transport computed (secure aggregation): each
+    # is its aggregator's mean with weight 1, already private where DP is on
+    summed: bool = False
 
     @property
     def arrived(self) -> dict[int, ClientReply]:
@@ -109,6 +112,9 @@ class Transport(ABC):
     counts_flops: bool = False
     #: whether it serves held-out clients (``eval.new_clients``, ``evaluate_new``)
     serves_new_clients: bool = False
+    #: whether ``train`` returns, in place of each reply, its aggregator's securely summed
+    #: mean (``privacy.secure_aggregation`` on Flower; ``privacy.secure_sum``)
+    secure_sum: bool = False
 
     @abstractmethod
     def train(self, step: object, messages: dict[int, Message]
@@ -184,7 +190,8 @@ def deliver(transport: Transport, f: FaultsConfig, seed: int, system: SystemMode
     delivery = Delivery(replies, faults.dropped,
                         slowdown=dict.fromkeys(faults.stragglers, f.straggler_delay),
                         deadline=f.deadline,
-                        lost={c: str(r) for c, r in got.items() if isinstance(r, ClientFailure)})
+                        lost={c: str(r) for c, r in got.items() if isinstance(r, ClientFailure)},
+                        summed=transport.secure_sum)
     if f.deadline is not None:
         assert system is not None  # check_runtime: a deadline needs the system model's clock
         late: set[int] = set()

@@ -50,9 +50,13 @@ def _floats(msg: Message) -> list[str]:
     return [k for k, t in msg.tensors.items() if t.is_floating_point()]
 
 
-def _same_model(sent: dict[int, Message], cids: list[int], where: str) -> Message:
+def same_model(sent: dict[int, Message], cids: list[int], where: str,
+               setting: str = "privacy.level = 'client'",
+               because: str = "the noised sum of their updates would have a different "
+                              "sensitivity per entry, which is not implemented") -> Message:
     """The one model every replying client was sent: the update of a client is measured
-    from it, and the mean of the rewritten replies is taken around it."""
+    from it, and the mean of the rewritten replies is taken around it. Else a
+    ``PrivacyError`` naming ``setting`` and ``because``."""
     first = sent[cids[0]]
     for cid in cids[1:]:
         other = sent[cid]
@@ -61,10 +65,9 @@ def _same_model(sent: dict[int, Message], cids: list[int], where: str) -> Messag
         if other.tensors.keys() != first.tensors.keys() or any(
                 not torch.equal(other.tensors[k], first.tensors[k]) for k in first.tensors):
             raise PrivacyError(
-                f"{where}: privacy.level = 'client' needs every client of an aggregation to be "
+                f"{where}: {setting} needs every client of an aggregation to be "
                 f"sent the same model, but clients {cids[0]} and {cid} were sent different ones "
-                "(width slices, tiers of architectures): the noised sum of their updates would "
-                "have a different sensitivity per entry, which is not implemented")
+                f"(width slices, tiers of architectures): {because}")
     return first
 
 
@@ -79,7 +82,7 @@ def private_replies(replies: dict[int, Message], sent: dict[int, Message], expec
     if expected < len(replies):
         raise ValueError(f"{where}: {len(replies)} replies from {expected} sampled clients")
     cids = list(replies)
-    base = _same_model(sent, cids, where)
+    base = same_model(sent, cids, where)
     names = _floats(base)
     share = len(replies) / expected
     clipped: dict[int, list[torch.Tensor]] = {}

@@ -29,6 +29,7 @@ from edgepfl.privacy.accountant import client_epsilon, groups_of, library, sampl
 from edgepfl.privacy.adaptive import AdaptiveClip
 from edgepfl.privacy.dp_fedavg import Clipped, PrivacyError, private_replies
 from edgepfl.privacy.dpsgd import RATE, STEPS, poisson_plan
+from edgepfl.privacy.secure_sum import threshold
 
 log = logging.getLogger("edgepfl")
 
@@ -166,8 +167,14 @@ class ClientPrivacy(_Budgeted):
         adaptive = self.adaptive
         if adaptive is None:
             assert not isinstance(self.p.clip, str)
-            return private_replies(arrived, sent, expected, self.p.clip,
-                                   self.p.noise_multiplier, gen,
+            sigma = self.p.noise_multiplier
+            if self.p.secure_aggregation:
+                # the deployment's noise: each client adds what a sum of the SecAgg+
+                # threshold t needs, so m >= t replies carry sqrt(m / t) times sigma
+                # (secure_sum); below t a deployment's sum does not unmask
+                t = threshold(expected, self.p.secagg_threshold)
+                sigma *= math.sqrt(max(len(arrived), t) / t)
+            return private_replies(arrived, sent, expected, self.p.clip, sigma, gen,
                                    f"client step {step}, {where}", self.counts)
         counts = Clipped()
         out = private_replies(arrived, sent, expected, adaptive.clip(aggregator),
@@ -352,11 +359,13 @@ def round_privacy(parts: Any, sizes: list[int] | None) -> RoundPrivacy:
         declared = parts.algorithm.privacy.epochs
         epochs = cfg.train.local_epochs if declared is None else declared(cfg.train, parts.hp)
         return SamplePrivacy(cfg, parts.federation, sizes, epochs)
-    from edgepfl.config import PrivacyConfig
+    from edgepfl.config import SECAGG, PrivacyConfig
+
+    SECURE = ("secure_aggregation", *SECAGG)  # noqa: N806 - secure aggregation acts without DP
 
     default = PrivacyConfig().model_dump()
     unused = [f"privacy.{k}" for k, v in cfg.privacy.model_dump().items()
-              if k != "level" and v != default.get(k)]
+              if k not in ("level", *SECURE) and v != default.get(k)]
     if unused:
         log.warning("%s %s set but privacy.level = 'none': no noise is added and nothing is "
                     "accounted; set privacy.level = 'client' or 'sample' for them to act",

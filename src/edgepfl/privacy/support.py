@@ -33,6 +33,8 @@ def check_privacy(cfg: Config, algorithm: Algorithm, federation: Federation,
 
     p = cfg.privacy
     level = p.level
+    if p.secure_aggregation:
+        _check_secure(algorithm, federation)
     if level == "none":
         return
     library()
@@ -53,6 +55,27 @@ def check_privacy(cfg: Config, algorithm: Algorithm, federation: Federation,
     if p.noise_multiplier == 0:
         log.warning("privacy.noise_multiplier = 0: updates are clipped but not noised, so "
                     "there is no privacy guarantee (epsilon is infinite)")
+
+
+def _check_secure(algorithm: Algorithm, federation: Federation) -> None:
+    """Secure aggregation hands an aggregator the sample-weighted mean of its clients'
+    updates and nothing else: the algorithm's aggregation must be that mean (what
+    ``PrivacySupport(client='mean')`` declares), over one model every client was sent."""
+    from edgepfl.algorithms import ALGORITHMS
+
+    if algorithm.privacy.client != "mean":
+        valid = [a.name for a in ALGORITHMS.values() if a.privacy.client == "mean"]
+        raise ConfigError(
+            f"privacy.secure_aggregation = true is refused by algorithm.name = "
+            f"{algorithm.name!r}: its server needs more than the sample-weighted mean of the "
+            f"clients' models ({algorithm.privacy.refused or 'each client own reply'}); "
+            f"algorithms whose aggregation is that mean: {', '.join(valid)} "
+            "(docs/deployment.md, 'Secure aggregation')")
+    if len(federation.architectures) > 1:
+        raise ConfigError(
+            "privacy.secure_aggregation = true needs one architecture for every client, but "
+            f"model.tiers gives {len(federation.architectures)}: a masked sum adds the same "
+            "entries of every client (set model.tiers = {})")
 
 
 def _check_client(cfg: Config, federation: Federation) -> None:
