@@ -66,6 +66,16 @@ class FedDynHyperparameters(Hyperparameters):
         "participants; h is always Algorithm 1's 1/m sum over all m clients")
 
 
+def two_sums(hp: FedDynHyperparameters) -> str | None:
+    """h sums every participant's drift with weight 1 beside the model's (by default
+    sample-weighted) mean: two sums, where a secure aggregation hands the server one."""
+    if not hp.alpha:
+        return None
+    return (f"algorithm.alpha = {hp.alpha:g}: FedDyn's h sums each participant's drift "
+            "unweighted beside the mean of their models, two sums where the server learns "
+            "one; set algorithm.alpha = 0 (FedAvg) or privacy.secure_aggregation = false")
+
+
 @dataclass(frozen=True)
 class DynamicRegulariser:
     """The gradient of FedDyn's two local terms, alpha (theta - theta_server) - grad_i,
@@ -160,5 +170,5 @@ ALGORITHM = Algorithm(
     # client level: the reply is the trained model it was sent, and the server reads the
     # replies only through their equal-weight mean under privacy (h's sum is the count
     # times it), so theta and h are post-processing of the noised mean; grad_i never leaves
-    privacy=PrivacySupport(client="mean", sample=True),
+    privacy=PrivacySupport(client="mean", sample=True, unsummed=two_sums),
 )

@@ -565,6 +565,11 @@ class PrivacySupport:
     ``unaccounted``: for hyperparameters under which the algorithm computes on client data
     outside what either level accounts for (training at test time), the refusal, naming
     the setting and what is valid; None where there is no such work.
+
+    ``unsummed``: for hyperparameters under which its aggregation needs more of the
+    replies than their one sample-weighted mean (a second sum beside it), the refusal of
+    ``privacy.secure_aggregation``, whose server learns that mean alone; None: it needs
+    no more (a ``client = "mean"`` algorithm takes secure aggregation).
     """
 
     client: Literal["mean"] | None = None
@@ -572,6 +577,7 @@ class PrivacySupport:
     refused: str = ""
     epochs: Callable[[TrainConfig, Any], int] | None = None
     unaccounted: Callable[[Any], str | None] | None = None
+    unsummed: Callable[[Any], str | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def check_privacy(cfg: Config, algorithm: Algorithm, federation: Federation,
     p = cfg.privacy
     level = p.level
     if p.secure_aggregation:
-        _check_secure(algorithm, federation)
+        _check_secure(algorithm, federation, hp)
     if level == "none":
         return
     library()
@@ -57,7 +57,7 @@ def check_privacy(cfg: Config, algorithm: Algorithm, federation: Federation,
                     "there is no privacy guarantee (epsilon is infinite)")
 
 
-def _check_secure(algorithm: Algorithm, federation: Federation) -> None:
+def _check_secure(algorithm: Algorithm, federation: Federation, hp: Any) -> None:
     """Secure aggregation hands an aggregator the sample-weighted mean of its clients'
     updates and nothing else: the algorithm's aggregation must be that mean (what
     ``PrivacySupport(client='mean')`` declares), over one model every client was sent."""
@@ -71,6 +71,10 @@ def _check_secure(algorithm: Algorithm, federation: Federation) -> None:
             f"clients' models ({algorithm.privacy.refused or 'each client own reply'}); "
             f"algorithms whose aggregation is that mean: {', '.join(valid)} "
             "(docs/deployment.md, 'Secure aggregation')")
+    unsummed = algorithm.privacy.unsummed
+    reason = unsummed(hp) if unsummed is not None else None
+    if reason:
+        raise ConfigError(f"privacy.secure_aggregation = true with {reason}")
     if len(federation.architectures) > 1:
         raise ConfigError(
             "privacy.secure_aggregation = true needs one architecture for every client, but "
