@@ -202,6 +202,8 @@ def _run_protocol(grid: Grid, strategy: _Sum, contents: Mapping[int, Message], s
                         MAIN_PARAMS_RECORD: ArrayRecord()})
     context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state,
                                     run_config={}), strategy=strategy)
+    for proxy in strategy.proxies:  # so that Flower's log counts them
+        context.client_manager.register(proxy)
     ws = WorkflowState()
     why = ""
     try:
