@@ -79,6 +79,10 @@ class Rounds:
         self.counting = self.flops.enabled and transport.counts_flops
         self.asynchronous = self.cfg.topology.mode == "async"
         self.privacy = round_privacy(parts, getattr(transport, "train_sizes", None))
+        if self.cfg.privacy.secure_aggregation and not transport.secure_sum:
+            log.info("privacy.secure_aggregation: this runtime has no server to hide the "
+                     "updates from; it computes each aggregate SecAgg+ would hand a Flower "
+                     "server, in one process (with client-level DP, with its noise)")
         check_runtime(self.cfg, system, self.flops.enabled, transport.counts_flops,
                       transport.serves_new_clients)
         # eval.new_clients: the clients held out of training, and why the method cannot
