@@ -151,6 +151,31 @@ def _print_summary(summary: dict, out: Path | None) -> None:
         click.echo(f"run directory: {out}")
 
 
+IN_PROCESS = {"runtime": "simulation", "ray_address": None, "client_cpus": None,
+              "client_gpus": None}
+
+
+def _runtime_options(fn):
+    """``edgepfl run``'s runtime: the in-process simulation, or edgepfl's Flower apps on
+    Flower's simulation runtime over Ray (docs/cluster.md)."""
+    for option in reversed([
+        click.option("--runtime", type=click.Choice(["simulation", "ray"]), default="simulation",
+                     show_default=True, help="simulation: edgepfl's in-process engine; ray: "
+                     "edgepfl's Flower apps on Flower's simulation runtime, one Ray actor per "
+                     "client call, on a local Ray or the cluster at --ray-address "
+                     "(pip install 'edgepfl[cluster]'; docs/cluster.md)"),
+        click.option("--ray-address", metavar="ADDRESS", help="with --runtime ray: the Ray "
+                     "cluster to run on (HEAD_IP:6379, or auto: the one started on this "
+                     "machine); default a new local Ray"),
+        click.option("--client-cpus", type=click.FloatRange(min=0, min_open=True),
+                     help="with --runtime ray: CPUs each client's actor asks for (default 1)"),
+        click.option("--client-gpus", type=click.FloatRange(min=0),
+                     help="with --runtime ray: GPUs (or a fraction) each client's actor asks "
+                     "for (default 0; with --set train.device=cuda)")]):
+        fn = option(fn)
+    return fn
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="edgepfl")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
@@ -182,10 +207,11 @@ def main(log_level: str) -> None:
 @click.option("--trust-plugins", is_flag=True,
               help="with --resume: import the plug-ins the run's config.json names (code "
               "from the run directory; without it, those not given with --plugin are refused)")
+@_runtime_options
 @_user_errors(lambda: _how_to_resume(_RUN_DIR.get("dir")))
 def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         resume: Path | None, quiet: bool, threads: int | str | None,
-        plugins: tuple[str, ...], trust_plugins: bool) -> None:
+        plugins: tuple[str, ...], trust_plugins: bool, **runtime) -> None:
     """Run one algorithm. With no arguments: FedAvg on digits, 10 clients, Dirichlet 0.3."""
     from edgepfl.config import config_from_sources, listed, load_config_file
     from edgepfl.engine.simulation import resume_run, start_run
@@ -193,6 +219,8 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
 
     overrides = _threads(overrides, threads)
     _RUN_DIR.pop("dir", None)
+    if runtime != IN_PROCESS:
+        return _run_on_ray(config, overrides, out, resume, trust_plugins, quiet, plugins, **runtime)
     if resume is not None:
         _RUN_DIR["dir"] = resume
         if not resume.is_dir():
@@ -240,6 +268,36 @@ def run(config: Path | None, overrides: tuple[str, ...], out: Path | None,
         out = out if out is not None else default_run_dir(cfg)
         _RUN_DIR["dir"] = out
         result = start_run(cfg, out, progress=_progress_flag(quiet))
+    _print_summary(result.summary, result.out_dir)
+
+
+def _run_on_ray(config: Path | None, overrides: tuple[str, ...], out: Path | None,
+                resume: Path | None, trust_plugins: bool, quiet: bool,
+                plugins: tuple[str, ...], runtime: str,
+                ray_address: str | None, client_cpus: float | None,
+                client_gpus: float | None) -> None:
+    """``edgepfl run --runtime ray``: a new run into ``out`` (engine.flower_ray)."""
+    from edgepfl.config import config_from_sources
+    from edgepfl.engine.rundir import default_run_dir
+
+    if runtime != "ray":
+        raise EdgepflError("--ray-address, --client-cpus and --client-gpus are for "
+                           "--runtime ray")
+    if resume is not None or trust_plugins:
+        raise EdgepflError("--resume and --trust-plugins are for the in-process runtime; "
+                           "--runtime ray starts new runs")
+    try:
+        from edgepfl.engine.flower_ray import run_ray
+    except ImportError as exc:  # flwr itself missing
+        raise EdgepflError(f"--runtime ray needs Flower's simulation runtime: pip install "
+                           f"'edgepfl[cluster]' ({exc})") from None
+    from edgepfl.engine.trackers import flatten
+
+    cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
+    out = out if out is not None else default_run_dir(cfg)
+    _RUN_DIR["dir"] = out
+    result = run_ray({**flatten(cfg.model_dump()), "out": str(out)}, ray_address,
+                     client_cpus or 1.0, client_gpus or 0.0, _progress_flag(quiet))
     _print_summary(result.summary, result.out_dir)
 
 
