@@ -119,3 +119,12 @@ def test_an_app_that_raises_is_answered_with_an_error_and_the_worker_goes_on(wor
 def test_the_worker_wants_tls_or_an_explicit_insecure():
     with pytest.raises(SystemExit):
         fw.main(["--runtime-api-address", "127.0.0.1:9094"])
+
+
+def test_preload_imports_the_module_before_taking_tasks(monkeypatch):
+    imported = []
+    monkeypatch.setattr(fw.importlib, "import_module", imported.append)
+    monkeypatch.setattr(fw, "serve", lambda *args: imported.append("serve"))
+    fw.main(["--insecure", "--preload", "edgepfl.engine.flower", "--preload", "json"])
+    assert imported == ["edgepfl.engine.flower", "json", "serve"]
+

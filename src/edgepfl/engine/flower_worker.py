@@ -10,7 +10,8 @@ itself, so that imports and ``flower_client``'s per-process cache (the data set 
 algorithm parts) outlive a message::
 
     flower-supernode --isolation process --port 9094 ... &
-    python -m edgepfl.engine.flower_worker --runtime-api-address 127.0.0.1:9094 --insecure
+    python -m edgepfl.engine.flower_worker --runtime-api-address 127.0.0.1:9094 --insecure \
+        --preload edgepfl.engine.flower
 
 It serves one app: the first task's FAB (an app, by hash) runs here; a task of any other
 FAB runs in a fresh ``flwr-clientapp`` process, as Flower would, so that two apps never
@@ -25,6 +26,7 @@ the client's own state still travels in the node's ``Context.state``, as before.
 from __future__ import annotations
 
 import argparse
+import importlib
 import subprocess
 import time
 from logging import DEBUG, ERROR, INFO
@@ -132,9 +134,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="CA certificate (PEM) of the SuperNode's Runtime API TLS")
     parser.add_argument("--poll", type=float, default=0.1,
                         help="seconds between asking for a task when there is none")
+    parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="import MODULE before taking tasks (e.g. edgepfl.engine.flower), "
+                             "so that the first message does not pay for it; repeatable")
     args = parser.parse_args(argv)
     if not args.insecure and args.root_certificates is None:
         parser.error("give --insecure or --root-certificates")
+    for module in args.preload:
+        importlib.import_module(module)
     try:
         serve(args.runtime_api_address, args.insecure, args.root_certificates, args.poll)
     except KeyboardInterrupt:
