@@ -488,14 +488,19 @@ class CrashAfterTrain(LocalGrid):
         super().__init__(*args, **kwargs)
         self.at = at
 
-    def send_and_receive(self, messages, *, timeout=None):
+    def push_messages(self, messages):
         messages = list(messages)
-        ids = self.push_messages(messages)
+        ids = super().push_messages(messages)
         if self.at and any(m.metadata.message_type == "train"
                            and m.metadata.group_id == str(self.at) for m in messages):
+            self.at = -1  # the clients have trained: the next ask for their replies dies
+        return ids
+
+    def pull_messages(self, message_ids):
+        if self.at == -1:
             self.at = 0
             raise Crash
-        return self.pull_messages(ids)
+        return super().pull_messages(message_ids)
 
 
 @pytest.mark.parametrize("state_dir", [False, True])

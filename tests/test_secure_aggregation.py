@@ -196,3 +196,36 @@ def test_algorithms_that_need_more_than_the_mean_are_refused(sets, why):
 def test_settings_that_do_not_fit_are_refused(sets, why):
     with pytest.raises(ConfigError, match=why):
         build_config({}, sets)
+
+
+class _SlowGrid:
+    """Replies that are ready only after a number of asks, on a fake clock."""
+
+    def __init__(self, ready_after):
+        self.ready_after, self.asks = ready_after, 0
+
+    def push_messages(self, messages):
+        return [f"m{k}" for k, _ in enumerate(messages)]
+
+    def pull_messages(self, ids):
+        self.asks += 1
+        if self.asks < self.ready_after:
+            return []
+        return [type("Reply", (), {"metadata": type("M", (), {"reply_to_message_id": i})()})()
+                for i in ids]
+
+
+@pytest.mark.parametrize("ready_after,timeout,got", [(3, 10.0, 2), (100, 1.0, 0), (5, None, 2)])
+def test_replies_are_asked_for_every_quarter_second_until_the_timeout(
+        ready_after, timeout, got, monkeypatch):
+    from edgepfl.engine import flower_wire
+
+    clock = [0.0]
+    monkeypatch.setattr(flower_wire.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(flower_wire.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    grid = _SlowGrid(ready_after)
+    replies = flower_wire.Polled(grid).send_and_receive(["a", "b"], timeout=timeout)
+    assert len(replies) == got
+    # Flower's own grid asks every 3 s; the last ask is at the reply or the timeout
+    assert clock[0] == pytest.approx(flower_wire.REPLY_POLL_S * (grid.asks - 1))
+    assert grid.asks == (ready_after if got else 1 + int(timeout / flower_wire.REPLY_POLL_S))

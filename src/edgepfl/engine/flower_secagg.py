@@ -18,6 +18,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from edgepfl.engine.flower_wire import (
     Context,
     FlowerMessage,
     Grid,
+    Polled,
     RecordDict,
     to_content,
 )
@@ -164,8 +166,8 @@ def secure_train(grid: Grid, nodes: Mapping[int, int], messages: Mapping[int, Me
     sent = same_model(dict(messages), list(messages), where, "privacy.secure_aggregation = true",
                       "a masked sum adds the same entries of every client's update")
     strategy = _Sum([GridClientProxy(node, grid, 0) for node in reach.values()])
-    why = _run_protocol(grid, strategy, {n: messages[c] for c, n in reach.items()}, step,
-                        timeout, cfg)
+    why = _run_protocol(cast(Grid, Polled(grid)), strategy,
+                        {n: messages[c] for c, n in reach.items()}, step, timeout, cfg)
     by_node = {node: cid for cid, node in reach.items()}
     results = {by_node[proxy.node_id]: res for proxy, res in strategy.results}
     if strategy.mean is None or why:

@@ -39,6 +39,7 @@ from edgepfl.engine.flower_wire import (
     from_content,
     min_nodes,
     seconds,
+    send_and_receive,
     to_content,
 )
 from edgepfl.engine.parts import Parts
@@ -109,7 +110,7 @@ def _replies(grid: Grid, sent: Mapping[int, FlowerMessage], timeout: float
     offline (Flower's "Node Unavailable" error, from the SuperLink's node id)."""
     if not sent:
         return []
-    got = list(grid.send_and_receive(list(sent.values()), timeout=timeout))
+    got = send_and_receive(grid, list(sent.values()), timeout)
     # pushing gave each sent message its id
     by_id = {m.metadata.message_id: key for key, m in sent.items()}
     return [(reply, by_id.get(reply.metadata.reply_to_message_id)) for reply in got]
