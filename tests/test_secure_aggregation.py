@@ -127,6 +127,7 @@ def test_under_client_dp_the_clients_clip_and_noise_and_epsilon_is_the_simulatio
     sim = simulation({**rc, **SECURE})
     for ours, theirs in zip(flower.metrics, sim.metrics, strict=True):
         assert ours["epsilon"] == theirs["epsilon"] > 0
+        assert ours["bytes_up"] == theirs["bytes_up"]  # what the clients sent, not the sum
         assert math.isnan(ours["dp_clipped"])  # the server clips nothing: it sees no update
         assert 0 < ours["acc_mean"] < 1
 

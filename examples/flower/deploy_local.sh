@@ -58,7 +58,9 @@ src, dst, sets = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 for item in sets:
     if not re.fullmatch(r"[^=\s]+=.+", item):
         sys.exit(f"{item!r} is not KEY=VALUE (e.g. 'algorithm.name=\"fedavg\"' train.rounds=5)")
-over = parse_config_args(sets)
+# one string: flwr 1.42 parses each argument alone and a later privacy.* would
+# replace an earlier one
+over = parse_config_args([" ".join(sets)])
 if "out" in over:
     sys.exit("out= is this script's own (runs/flower-<algorithm>)")
 shutil.rmtree(dst, ignore_errors=True)
@@ -79,7 +81,7 @@ from flwr.common.config import parse_config_args
 from edgepfl.engine.flower import SERVER_KEYS, config_from_run
 from edgepfl.federation.topology import Federation
 conf = tomllib.load(open(sys.argv[1], "rb"))["tool"]["flwr"]["app"]["config"]
-conf = {**conf, **parse_config_args(sys.argv[2:])}
+conf = {**conf, **parse_config_args([" ".join(sys.argv[2:])])}
 cfg = config_from_run({k: v for k, v in conf.items() if k not in SERVER_KEYS})
 fed = Federation.build(cfg, cfg.partition.clients)
 print(cfg.algorithm.name)
@@ -155,7 +157,9 @@ out="$root/runs/flower-$algorithm"
 rm -rf "$out" "$out-simulation"
 echo "isolation: $isolation"
 run_config=(--run-config "out=\"$out\"")
-for kv in "${settings[@]}"; do run_config+=(--run-config "$kv"); done
+# in one --run-config: flwr 1.42 reads each alone, and of two settings that share a
+# section (privacy.level, privacy.clip) it would keep only the last
+if ((${#settings[@]})); then run_config+=(--run-config "${settings[*]}"); fi
 flwr run "$app" local --stream "${run_config[@]}"
 python - "$app/pyproject.toml" "$out" "${settings[@]}" <<'PY'
 import csv, sys, tomllib

@@ -74,6 +74,7 @@ log = logging.getLogger("edgepfl")
 
 NAMES = "edgepfl.names"  # the tensors a client's reply held, as a JSON list
 WEIGHT = "edgepfl.weight"  # the num_samples its reply held (its weight in the mean)
+NBYTES = "edgepfl.nbytes"  # its reply's size as edgepfl counts a message
 
 
 # -- the client side ----------------------------------------------------------------------
@@ -114,7 +115,7 @@ def secure_reply(cfg: Config, context: Context, sent: Message, reply: Message, n
     vector = client_vector(sent, reply, weight, clip, std or 0.0, p.secagg_range, gen)
     arrays = [v.detach().double().numpy() for v in vector]
     metrics = {**{k: float(v) for k, v in stats.items()}, NAMES: json.dumps(list(reply.tensors)),
-               WEIGHT: int(n)}
+               WEIGHT: int(n), NBYTES: reply.nbytes}
     return fitres_to_recorddict(FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays),
                                        weight, metrics), keep_input=False)
 
@@ -184,7 +185,8 @@ def secure_train(grid: Grid, nodes: Mapping[int, int], messages: Mapping[int, Me
             else:
                 replies = summed_replies(sent, mean, layouts, weights=weights)
             for cid, res in results.items():
-                out[cid] = ClientReply(replies[cid], _count(cid, res), _stats(cid, res))
+                out[cid] = ClientReply(replies[cid], _count(cid, res), _stats(cid, res),
+                                       sent_bytes=_count(cid, res, NBYTES))
         except MessageError as exc:
             why, results = f"its sum could not be read: {exc}", {}
     why = why or "an error or no reply in one of its four stages"
@@ -247,7 +249,7 @@ def _count(cid: int, res: FitRes, key: str = "num_samples") -> int:
 def _stats(cid: int, res: FitRes) -> dict[str, float]:
     stats = {}
     for key, value in res.metrics.items():
-        if key in (NAMES, WEIGHT, "num_samples"):
+        if key in (NAMES, WEIGHT, NBYTES, "num_samples"):
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise MessageError(f"client {cid} reported {key} = {repr(value)[:80]}; expected a number")

@@ -251,8 +251,8 @@ class Rounds:
         aggregates it (the client's edge, or the server)."""
         msg, who = reply.message, f"client {cid}"
         cap = self.cfg.faults.max_message_bytes
-        if cap is not None and msg.nbytes > cap:
-            raise MessageError(f"{who}'s reply is {msg.nbytes} bytes, above "
+        if cap is not None and reply.nbytes > cap:
+            raise MessageError(f"{who}'s reply is {reply.nbytes} bytes, above "
                                f"faults.max_message_bytes = {cap}")
         check_finite(who, msg)
         n = reply.num_samples

@@ -30,6 +30,13 @@ class ClientReply:
     num_samples: int
     stats: dict[str, float] = field(default_factory=dict)
     flops: int | None = None  # counted local-training FLOPs (None: not measured)
+    # the bytes the client sent where ``message`` is not what it sent (a secure sum's
+    # share); None: ``message``'s
+    sent_bytes: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.message.nbytes if self.sent_bytes is None else self.sent_bytes
 
 
 class TooFewReplies(EdgepflError):
@@ -80,12 +87,12 @@ class Delivery:
     def bytes_up(self, clients: list[int]) -> dict[int, int]:
         """Uploads of ``clients`` that reached the server in time, refused ones too (they
         crossed the link); the server stops listening at the deadline."""
-        return {c: self.replies[c].message.nbytes for c in clients
+        return {c: self.replies[c].nbytes for c in clients
                 if c in self.replies and c not in self.late}
 
     def priced_up(self, clients: list[int]) -> dict[int, int]:
         """Uploads as sent, late ones too: they occupy the link until the deadline."""
-        return {c: self.replies[c].message.nbytes for c in clients if c in self.replies}
+        return {c: self.replies[c].nbytes for c in clients if c in self.replies}
 
     def flops(self, clients: list[int]) -> dict[int, int]:
         return {c: self.replies[c].flops or 0 for c in clients if c in self.replies}
