@@ -230,3 +230,18 @@ def test_replies_are_asked_for_every_quarter_second_until_the_timeout(
     # Flower's own grid asks every 3 s; the last ask is at the reply or the timeout
     assert clock[0] == pytest.approx(flower_wire.REPLY_POLL_S * (grid.asks - 1))
     assert grid.asks == (ready_after if got else 1 + int(timeout / flower_wire.REPLY_POLL_S))
+
+
+def test_without_noise_the_clients_clipped_sum_is_the_servers_dp_fedavg(tmp_path):
+    """Client-level DP with noise 0: the clients' clipped updates, summed by SecAgg+ and
+    divided by the clients sampled, are the simulation's DP-FedAvg aggregate."""
+    rc = {**BASE, "partition.clients": 4, "train.rounds": 1, "train.participation": 0.75,
+          "privacy.level": "client", "privacy.noise_multiplier": 0.0, "privacy.clip": 0.05}
+    flower = run_local({**rc, **SECURE, "out": str(tmp_path / "flower")})
+    sim = simulation({**rc, **SECURE}, tmp_path / "sim")
+    assert flower.metrics[0]["acc_mean"] == sim.metrics[0]["acc_mean"]
+    assert sim.metrics[0]["dp_clipped"] > 0  # the clip acts
+    mine = read_tensors(tmp_path / "flower" / "checkpoint.safetensors")[0]
+    exact = read_tensors(tmp_path / "sim" / "checkpoint.safetensors")[0]
+    worst = max(float((mine[k].double() - exact[k].double()).abs().max()) for k in mine)
+    assert worst < 2e-5, worst
