@@ -366,6 +366,18 @@ def test_ctrl_c_names_the_run_directory_to_resume(tmp_path, monkeypatch):
     assert res.exit_code == 130
     assert f"continue with edgepfl run --resume {out})" in res.output
     assert "RUN_DIR" not in res.output
+    # a --runtime ray run does not resume: its message says so
+    import edgepfl.engine.flower_ray as flower_ray
+
+    def ray_interrupted(run_config, *args, **kwargs):
+        Path(run_config["out"]).mkdir(parents=True, exist_ok=True)
+        (Path(run_config["out"]) / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flower_ray, "run_ray", ray_interrupted)
+    res = CliRunner().invoke(main, ["run", *FAST, "--out", str(tmp_path / "ray"), "--quiet",
+                                    "--runtime", "ray"])
+    assert res.exit_code == 130 and "--runtime ray does not resume" in res.output
     monkeypatch.chdir(tmp_path)  # the default directory, made up before the run starts
     res = CliRunner().invoke(main, ["run", *FAST, "--quiet"])
     assert res.exit_code == 130 and "--resume runs/fedavg-synthetic-" in res.output

@@ -41,7 +41,8 @@ def _user_errors(on_interrupt: str | Callable[[], str]):
     return decorate
 
 
-# the run directory of the command running in this process, for the Ctrl-C message
+# the run directory of the command running in this process, for the Ctrl-C message;
+# "ray": the directory of a --runtime ray run, which starts new runs only
 _RUN_DIR: dict[str, Path] = {}
 
 
@@ -50,6 +51,9 @@ def _how_to_resume(run_dir: Path | None) -> str:
         return "nothing of the run was kept: the same command starts it again"
     if run_dir is None:  # stopped before the run had a directory
         return "no run was started: the same command starts it"
+    if _RUN_DIR.get("ray") == run_dir:
+        return (f"{run_dir} keeps the rounds done; --runtime ray does not resume, the same "
+                "command with another --out starts the run again")
     return f"the last checkpoint is intact (continue with edgepfl run --resume {run_dir})"
 
 
@@ -295,7 +299,7 @@ def _run_on_ray(config: Path | None, overrides: tuple[str, ...], out: Path | Non
 
     cfg = _with_plugins(config_from_sources(config, list(overrides)), plugins)
     out = out if out is not None else default_run_dir(cfg)
-    _RUN_DIR["dir"] = out
+    _RUN_DIR["dir"] = _RUN_DIR["ray"] = out
     result = run_ray({**flatten(cfg.model_dump()), "out": str(out)}, ray_address,
                      client_cpus or 1.0, client_gpus or 0.0, _progress_flag(quiet))
     _print_summary(result.summary, result.out_dir)
