@@ -46,8 +46,16 @@ class Clipped:
     clipped: int = 0
 
 
-def _floats(msg: Message) -> list[str]:
+def floats(msg: Message) -> list[str]:
+    """The entries an update is measured over: the floating-point ones, in the message's
+    order (integer buffers, a BatchNorm's batch counter, stay the aggregator's)."""
     return [k for k, t in msg.tensors.items() if t.is_floating_point()]
+
+
+def clip_factor(update: list[torch.Tensor], clip: float) -> float:
+    """What scales ``update`` to L2 norm ``clip`` over all its entries, 1 within it."""
+    norm = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update))
+    return min(1.0, clip / norm) if norm > 0 else 1.0
 
 
 def same_model(sent: dict[int, Message], cids: list[int], where: str,
@@ -83,7 +91,7 @@ def private_replies(replies: dict[int, Message], sent: dict[int, Message], expec
         raise ValueError(f"{where}: {len(replies)} replies from {expected} sampled clients")
     cids = list(replies)
     base = same_model(sent, cids, where)
-    names = _floats(base)
+    names = floats(base)
     share = len(replies) / expected
     clipped: dict[int, list[torch.Tensor]] = {}
     for cid in cids:
@@ -99,8 +107,7 @@ def private_replies(replies: dict[int, Message], sent: dict[int, Message], expec
             raise PrivacyError(f"{where}: client {cid}'s reply lacks {missing} of the model it "
                                "was sent; the clipped update is over the whole model")
         update = [tensors[k].to(base.tensors[k].dtype) - base.tensors[k] for k in names]
-        norm = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update))
-        factor = min(1.0, clip / norm) if norm > 0 else 1.0
+        factor = clip_factor(update, clip)
         if counts is not None:
             counts.replies += 1
             counts.clipped += factor < 1.0

@@ -36,6 +36,7 @@ import torch
 
 from edgepfl.errors import EdgepflError
 from edgepfl.federation.messages import Message, MessageError
+from edgepfl.privacy.dp_fedavg import clip_factor, floats
 
 #: SecAgg+ shares every client's keys with all the aggregation's clients (num_shares 1.0)
 SHARES = 1.0
@@ -51,12 +52,6 @@ def threshold(sampled: int, share: float) -> int:
     with every client a neighbour of every other: the fewest active clients the protocol
     completes with."""
     return max(round(share * sampled), 2)
-
-
-def floats(msg: Message) -> list[str]:
-    """The entries a masked sum carries: the floating-point ones, in the message's order
-    (integer buffers, a BatchNorm's batch counter, stay the aggregator's)."""
-    return [k for k, t in msg.tensors.items() if t.is_floating_point()]
 
 
 def client_vector(sent: Message, reply: Message, weight: float, clip: float | None,
@@ -83,8 +78,7 @@ def client_vector(sent: Message, reply: Message, weight: float, clip: float | No
             raise SecureSumError(f"the reply's {k!r} holds NaN or Inf values; a masked sum "
                                  "would hide which client sent them")
     if clip is not None:
-        norm = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update))
-        factor = min(1.0, clip / norm) if norm > 0 else 1.0
+        factor = clip_factor(update, clip)
         update = [u * factor for u in update]
         if noise_std > 0:
             update = [u + torch.randn(u.shape, generator=gen, dtype=torch.float64)
