@@ -84,9 +84,9 @@ def test_the_hierarchical_split_is_seeded_and_needs_edges():
     b, _ = _split(5)
     assert all(torch.equal(x, y) for x, y in zip(a.train, b.train, strict=True))
     assert a.edges == b.edges
-    with pytest.raises(ConfigError, match=r"topology.edges = 0 \(a star\)"):
+    with pytest.raises(ConfigError, match=r"got 0 \(a star\)"):
         make_partition(Y_TRAIN, Y_TEST, 10, "hierarchical", 40, 0, edges=0)
-    with pytest.raises(ConfigError, match="topology.edges between 1 and partition.clients"):
+    with pytest.raises(ConfigError, match=r"partition.edges \(or, unset, topology.edges\) between 1"):
         make_partition(Y_TRAIN, Y_TEST, 10, "hierarchical", 4, 0, edges=5)
     with pytest.raises(ConfigError, match="partition.edge_alpha"):
         make_partition(Y_TRAIN, Y_TEST, 10, "hierarchical", 40, 0, edges=4, edge_alpha=0.0)
@@ -115,8 +115,28 @@ def test_a_run_on_a_hierarchical_split_puts_clients_under_their_data_edge_by_def
     with pytest.raises(ConfigError, match="only partition.scheme = 'hierarchical' draws"):
         Simulation(fast_config("algorithm.name=hierfavg", "topology.edges=2",
                                "topology.assignment=partition"), progress=False)
-    with pytest.raises(ConfigError, match=r"topology.edges = 0 \(a star\)"):
+    with pytest.raises(ConfigError, match=r"got 0 \(a star\)"):
         Simulation(fast_config("partition.scheme=hierarchical"), progress=False)
+
+
+def test_partition_edges_gives_a_star_method_the_hierarchys_split():
+    """The study compares FedAvg and Local (no edge servers) with the hierarchies on one
+    split: partition.edges draws it without topology.edges."""
+    hier = ["partition.scheme=hierarchical", "partition.min_size=5"]
+    tree = Simulation(fast_config("algorithm.name=hierfavg", "topology.edges=3", *hier),
+                      progress=False)
+    star = Simulation(fast_config("algorithm.name=fedavg", "partition.edges=3", *hier),
+                      progress=False)
+    assert star.federation.hierarchical is False
+    assert star.partition.edges == tree.partition.edges
+    assert all(torch.equal(a, b) for a, b in zip(star.partition.train, tree.partition.train,
+                                                 strict=True))
+    with pytest.raises(ConfigError, match="split has 3 edges .* topology.edges = 2"):
+        Simulation(fast_config("algorithm.name=hierfavg", "topology.edges=2",
+                               "partition.edges=3", *hier), progress=False)
+    with pytest.raises(ConfigError, match="partition.edges = 3 is read by partition.scheme = "
+                                          "'hierarchical' only"):
+        fast_config("algorithm.name=fedavg", "partition.edges=3")
 
 
 def test_similar_assignment_groups_clients_of_close_histograms():

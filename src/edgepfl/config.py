@@ -114,9 +114,19 @@ class PartitionConfig(_Section):
                          "so smaller = clients further from their edge")
     edge_alpha: float = Field(0.3, gt=0, description="hierarchical: each edge's class mix ~ "
                               "Dir(edge_alpha) (smaller = edges more different)")
+    edges: int | None = Field(None, ge=1, description="hierarchical: the edges the data are "
+                              "drawn for (None = topology.edges); set it to give a method without "
+                              "edge servers (topology.edges = 0) the same split")
     min_size: int = Field(10, ge=1, description="dirichlet, hierarchical: minimum train samples "
                           "per client")
     classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
+
+    @model_validator(mode="after")
+    def _edges(self) -> PartitionConfig:
+        if self.edges is not None and self.scheme != "hierarchical":
+            raise ValueError(f"partition.edges = {self.edges!r} is read by partition.scheme = "
+                             f"'hierarchical' only, not {self.scheme!r}; leave it unset")
+        return self
 
 
 class ModelConfig(_Section):

@@ -229,7 +229,8 @@ def _owners(ids: Any, n: int, clients: int, split: str) -> np.ndarray:
 def partition_of(cfg: PartitionConfig, dataset: Dataset, seed: int,
                  edges: int = 0) -> Partition:
     """The partition a run's ``partition`` settings give ``dataset`` (every runtime splits
-    it this way); ``edges``, ``topology.edges``, is read by the hierarchical scheme only. A
+    it this way); ``edges``, ``topology.edges``, is read by the hierarchical scheme only, and
+    only where ``partition.edges`` is unset. A
     natural split needs ``partition.clients`` to be the number of clients
     the data names: the settings stay the whole description of the federation (the system
     model, topology and algorithms read that number before any data is loaded). Left
@@ -255,7 +256,7 @@ def partition_of(cfg: PartitionConfig, dataset: Dataset, seed: int,
         alpha=cfg.alpha, min_size=cfg.min_size, classes_per_client=cfg.classes_per_client,
         train_clients=dataset.client_train if natural else None,
         test_clients=dataset.client_test if natural else None,
-        edges=edges, edge_alpha=cfg.edge_alpha)
+        edges=edges if cfg.edges is None else cfg.edges, edge_alpha=cfg.edge_alpha)
 
 
 def _check_clients(clients: Any, n: int) -> int:
@@ -404,9 +405,11 @@ def _edge_of(clients: int, edges: Any) -> np.ndarray:
             or not 1 <= edges <= clients:
         raise ConfigError(
             f"partition.scheme = 'hierarchical' draws a class mix per edge server, so it needs "
-            f"topology.edges between 1 and partition.clients ({clients}); got topology.edges = "
-            f"{edges!r}{' (a star)' if edges == 0 else ''}. Set topology.edges, or choose a "
-            f"scheme without edges: {', '.join(s for s in SCHEMES if s != 'hierarchical')}")
+            f"partition.edges (or, unset, topology.edges) between 1 and partition.clients "
+            f"({clients}); got {edges!r}{' (a star)' if edges == 0 else ''}. Set topology.edges "
+            f"or partition.edges (a star's methods: the same split, no edge servers), or "
+            f"choose a scheme without edges: "
+            f"{', '.join(s for s in SCHEMES if s != 'hierarchical')}")
     return np.arange(clients) * int(edges) // clients
 
 

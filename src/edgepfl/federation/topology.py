@@ -87,6 +87,12 @@ def assign_edges(num_clients: int, edges: int, assignment: str, seed: int,
                               "'hierarchical' draws; use it with that scheme, or another "
                               "assignment: similar, random, contiguous, explicit")
         out = [int(k) for k in split_edges]
+        if max(out, default=-1) + 1 != edges:
+            raise ConfigError(f"topology.assignment = 'partition' puts each client under the "
+                              f"edge its data was drawn for, but the split has "
+                              f"{max(out, default=-1) + 1} edges (partition.edges) and "
+                              f"topology.edges = {edges}; make them equal, or choose another "
+                              f"assignment: similar, random, contiguous, explicit")
     elif assignment == "similar":
         if parents:
             raise ConfigError("topology.parents applies only to topology.assignment = 'explicit', "
