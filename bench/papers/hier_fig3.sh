@@ -15,6 +15,11 @@
 #   JOBS=2 runs two at a time; OUT=dir root folder (default runs/hier_fig3); DRY=1 prints
 #   the grid's lines instead (one run each, for bench/grid/run_one.sh), to queue them in
 #   another order: ... | xargs -P 2 -L 1 bash bench/grid/run_one.sh
+#   ASSIGNMENT=random (default) puts clients under edges at random, so an edge's clients
+#   share nothing (these splits draw no edges): the grid measures the hierarchy's cost, not
+#   its use. ASSIGNMENT=similar (with an OUT of its own: run names do not carry it) groups
+#   clients of close label histograms; edges drawn from
+#   the data themselves are bench/papers/hier_study.sh's.
 #
 # METHODS: hierbayes (personalization through the edge posterior, the default), hierbayes_cloud
 # (the same fit under psi*), hierfavg: once per K; flat (hierbayes on one edge: the two-level
@@ -52,7 +57,7 @@ for s in $settings; do
              "dataset.name=$ds dataset.fraction=0.2 partition.clients=100 partition.scheme=$scheme" \
              "partition.alpha=0.1 partition.classes_per_client=2 train.participation=0.1" \
              "train.local_epochs=1 train.rounds=20 eval.every=5 topology.edge_rounds=2" \
-             "topology.assignment=random system.profile=wen_table2$extra"
+             "topology.assignment=${ASSIGNMENT:-random} system.profile=wen_table2$extra"
       done
     done
   done
