@@ -77,6 +77,12 @@ hmpl_queue() {  # HMPL's runs not done yet (bench/papers/README.md, "Not run"), 
   local grid="bash $here/papers/hmpl_tables.sh" dev=${DEVICE_SETTINGS-"train.device=cuda train.batch_clients=true"}
   export OUT="$out/hmpl39" EVERY=5 HORIZON=800 PRINT=1 EXTRA="$dev"
   local r=${LONG_ROUNDS:-100} seeds=${SEEDS:-"0 1 2"}
+  # issue 54's deciding experiment first: every client Sup, at most 1 and 2 stages deep,
+  # against the kept HMPL_S of *-regular-r30-h800 (the same protocol). With no Com or Ord
+  # client there is no time threshold (tiers.json: bound_s null), so a Sup model grows to
+  # sup_max_depth unbounded: the Sup model itself, at each depth
+  EXTRA="$EXTRA algorithm.tier_ratio=[0,0,1]" TAG=-allsup $grid "${SUP_ROUNDS:-30}" \
+    "mnist fmnist" v "$seeds" "hmpl:sup_max_depth=1 hmpl:sup_max_depth=2"
   $grid "$r" mnist v "$seeds" "hmpl:com_align=fit"  # the name MNIST V's HMPL is kept under
   $grid "$r" mnist iv "$seeds" hmpl
   $grid "$r" fmnist "iv v" "$seeds" hmpl
