@@ -81,6 +81,8 @@ def main(roots: list[Path]) -> None:
             key = f"{run.parent.name}/{run.name}|"
             method = run.name.split("+")[0]
             assignment = "random" if "assignment=random" in run.name else "split's"
+            if "weighting=samples" in run.name:
+                assignment += ", weighting=samples"
             targets = [assignment] if method.startswith("hier") else ["split's", "random"]
             for a in targets:
                 cell = cells[(ds, int(k), a)]
@@ -110,7 +112,7 @@ def main(roots: list[Path]) -> None:
           "edge - psi* | HierFAVG | HierFAVG fine-tuned | FedAvg fine-tuned | Local | "
           "TV to own edge / federation |")
     print("|" + "---|" * 12)
-    for (ds, k, a) in sorted(cells, key=lambda c: (c[0], c[1], c[2] != "split's")):
+    for (ds, k, a) in sorted(cells, key=lambda c: (c[0], c[1], c[2].startswith("random"), c[2])):
         cell = cells[(ds, k, a)]
         seeds = len(cell["edge posterior"])
         row = [pm(list(cell[c].values())) for c in columns]
@@ -125,7 +127,7 @@ def main(roots: list[Path]) -> None:
     print("| data | K | edges | seeds | best acc | final acc | final std across clients | "
           "final worst | psi* final | hier_client_precision | hier_edge_precision |")
     print("|" + "---|" * 11)
-    for (ds, k, a) in sorted(details, key=lambda c: (c[0], c[1], c[2] != "split's")):
+    for (ds, k, a) in sorted(details, key=lambda c: (c[0], c[1], c[2].startswith("random"), c[2])):
         s = details[(ds, k, a)]
 
         def col(name, scale=100.0, digits=2, s=s):

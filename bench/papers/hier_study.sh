@@ -12,7 +12,8 @@
 # under psi* (the cloud prior), HierFAVG and FedAvg fine-tuned at test time.
 #
 #   bench/papers/hier_study.sh [SEEDS] [KS] [DATASETS] [METHODS]
-#     defaults: "0 1 2", "2 5 10", "mnist fmnist", "hierbayes hierfavg fedavg local"
+#     defaults: "0 1 2", "2 5 10", "mnist fmnist", "hierbayes hierfavg fedavg local";
+#     hierbayes_samples adds hierbayes with weighting = samples on the split's edges
 #   JOBS=2 runs two at a time; OUT=dir root folder (default runs/hier_study); DRY=1 prints
 #   the grid's lines (one run each, for bench/grid/run_one.sh). Seeds are the outer loop, so
 #   a grid cut short has every cell of its first seeds.
@@ -31,6 +32,8 @@ for seed in $seeds; do
         case $m in
           hierbayes|hierfavg)
             specs="$m:topology.edges=$k $m:topology.edges=$k,topology.assignment=random" ;;
+          hierbayes_samples)  # the edge and cloud means weighted by samples (the split's edges)
+            specs="hierbayes:topology.edges=$k,weighting=samples" ;;
           *) specs="$m:topology.edge_rounds=1,train.local_epochs=2" ;;
         esac
         for spec in $specs; do
