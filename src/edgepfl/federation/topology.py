@@ -53,6 +53,27 @@ def default_assignment(scheme: str) -> str:
     return "partition" if scheme == "hierarchical" else "random"
 
 
+def _split_edges(num_clients: int, edges: int, parents: list[int] | None,
+                 split_edges: Sequence[int] | None) -> list[int]:
+    """topology.assignment = partition: each client under the edge its data was drawn for."""
+    if parents:
+        raise ConfigError("topology.parents applies only to topology.assignment = 'explicit', "
+                          "not 'partition'")
+    if split_edges is None or len(split_edges) != num_clients:
+        raise ConfigError("topology.assignment = 'partition' puts each client under the edge "
+                          "its data was drawn for, which only partition.scheme = "
+                          "'hierarchical' draws; use it with that scheme, or another "
+                          "assignment: similar, random, contiguous, explicit")
+    out = [int(k) for k in split_edges]
+    if max(out, default=-1) + 1 != edges:
+        raise ConfigError(f"topology.assignment = 'partition' puts each client under the "
+                          f"edge its data was drawn for, but the split has "
+                          f"{max(out, default=-1) + 1} edges (partition.edges) and "
+                          f"topology.edges = {edges}; make them equal, or choose another "
+                          f"assignment: similar, random, contiguous, explicit")
+    return out
+
+
 def assign_edges(num_clients: int, edges: int, assignment: str, seed: int,
                  parents: list[int] | None = None, split_edges: Sequence[int] | None = None,
                  histograms: np.ndarray | None = None) -> list[int]:
@@ -78,21 +99,7 @@ def assign_edges(num_clients: int, edges: int, assignment: str, seed: int,
             raise ConfigError(f"topology.parents holds {sorted(set(bad))}; edges are 0..{edges - 1}")
         out = list(explicit)
     elif assignment == "partition":
-        if parents:
-            raise ConfigError("topology.parents applies only to topology.assignment = 'explicit', "
-                              "not 'partition'")
-        if split_edges is None or len(split_edges) != num_clients:
-            raise ConfigError("topology.assignment = 'partition' puts each client under the edge "
-                              "its data was drawn for, which only partition.scheme = "
-                              "'hierarchical' draws; use it with that scheme, or another "
-                              "assignment: similar, random, contiguous, explicit")
-        out = [int(k) for k in split_edges]
-        if max(out, default=-1) + 1 != edges:
-            raise ConfigError(f"topology.assignment = 'partition' puts each client under the "
-                              f"edge its data was drawn for, but the split has "
-                              f"{max(out, default=-1) + 1} edges (partition.edges) and "
-                              f"topology.edges = {edges}; make them equal, or choose another "
-                              f"assignment: similar, random, contiguous, explicit")
+        out = _split_edges(num_clients, edges, parents, split_edges)
     elif assignment == "similar":
         if parents:
             raise ConfigError("topology.parents applies only to topology.assignment = 'explicit', "
