@@ -16,22 +16,15 @@ and the learned precisions.
 from __future__ import annotations
 
 import json
-import math
 import re
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-
-def pm(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    if not values:
-        return "-"
-    m = f"{scale * statistics.fmean(values):.{digits}f}"
-    return m + (f" ± {scale * statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collect_hier import pm  # noqa: E402
 
 
 def edge_distances(run: Path) -> tuple[float, float]:
