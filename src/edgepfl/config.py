@@ -104,7 +104,7 @@ def parse_aspect_ratio(text: Any) -> tuple[int, int]:
 
 class PartitionConfig(_Section):
     scheme: str = Field("dirichlet", description="iid, dirichlet, pathological, "
-                        "primary_secondary, hierarchical (a class mix per edge, topology.edges "
+                        "primary_secondary, hierarchical (a class mix per edge, partition.edges "
                         "of them, and each client's drawn around its edge's), natural (each "
                         "sample's client from the data)")
     clients: int = Field(10, ge=1, description="number of clients (natural: the number of "

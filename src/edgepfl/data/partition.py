@@ -31,8 +31,8 @@ SCHEMES: dict[str, str] = {
     "evenly among the clients that hold it",
     "primary_secondary": "DC-PFL: equal sizes; a primary class with 40-60% of a client's data, "
     "a secondary with 20-40%, the rest spread over the other classes",
-    "hierarchical": "edges that differ: each of topology.edges edges draws a class mix ~ "
-    "Dir(edge_alpha), each of its clients (spread over the edges as evenly as possible, "
+    "hierarchical": "edges that differ: each of partition.edges (default topology.edges) "
+    "edges draws a class mix ~ Dir(edge_alpha), each of its clients (spread over the edges as evenly as possible, "
     "consecutive ids) a mix ~ Dir(alpha x its edge's mix); each class is then cut over the "
     "clients in proportion to their mixes, as dirichlet cuts it (sizes vary)",
     "natural": "each sample's client from the data (npz 'client' array, hf dataset.client_column, "
