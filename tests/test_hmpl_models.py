@@ -71,6 +71,32 @@ def test_ord_model_is_the_papers_mnist_cnn():
             model.fc3.out_features) == (21 * 256, 1024, 1024, 10)
 
 
+def test_flat_model_is_the_ord_model_with_the_map_flattened_instead_of_spp():
+    """Fig. 7's plain FedAvg: the Ord model's layers but for fc1, which reads the 4x4x256
+    map of a 28x28 image (4,096 values) rather than SPP's 21 x 256; it equals the Ord model
+    wherever fc1 is given the same numbers, so only the pooling differs."""
+    flat, ordinary = _model("hmpl_flat"), _model("hmpl_ord")
+    assert LayerSpec.from_model(flat).names == list(BS_LAYERS)
+    assert flat.fc1.in_features == 256 * 4 * 4
+    assert {k: v.shape for k, v in _state(flat).items() if k != "fc1.weight"} == \
+        {k: v.shape for k, v in _state(ordinary).items() if k != "fc1.weight"}
+    assert "hmpl_flat" not in VARIABLE_SIZE_MODELS
+    x = torch.randn(3, 1, 28, 28)
+    flat.load_state_dict({k: v for k, v in _state(ordinary).items() if k != "fc1.weight"},
+                         strict=False)
+    flat_map = ordinary.feature_map(x).flatten(1)
+    with torch.no_grad():  # an fc1 that reads each bin of the 4x4 level as flat reads the map
+        pick = torch.zeros(256 * 21, 256 * 16)
+        for c in range(256):
+            pick[c * 21 + 5: c * 21 + 21, c * 16: c * 16 + 16] = torch.eye(16)
+        ordinary.fc1.weight.copy_(torch.randn(1024, 256 * 16) @ pick.T)
+        flat.fc1.weight.copy_(ordinary.fc1.weight @ pick)
+    torch.testing.assert_close(flat(x), ordinary(x))
+    assert flat_map.shape == (3, 4096)
+    with pytest.raises(Exception, match="needs square images"):
+        build_model("hmpl_flat", (1, 16, 28), 10)
+
+
 @pytest.mark.parametrize("name", [*HMPL, "cnn2_spp"])
 def test_every_model_trains_on_every_size(name):
     model = _model(name)

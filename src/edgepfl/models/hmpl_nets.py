@@ -7,6 +7,8 @@ Table II, Figs. 3-5).
   (Sec. III-D, Fig. 5).
 * ``HMPLOrd`` (Sec. IV-B): three 3x3 convolutions (64, 128, 256), each followed by ReLU
   and 2x2 max pooling; SPP; FC 1024, FC 1024, classifier. Every layer is a BS layer.
+* ``HMPLFlat``: the Ord model with the map flattened instead of SPP, the plain FedAvg of
+  the regular-size ablation (Sec. IV-D, Fig. 7).
 * ``HMPLCom`` (weak devices, Sec. III-C1): the Ord model without ``conv3``; a 1x1 IP
   convolution brings conv2's 128 channels to 256 so that SPP gives the Ord model's 21 x 256
   features and the FC layers keep their shapes (and stay shared).
@@ -159,6 +161,31 @@ class HMPLOrd(_HMPLBase):
 
     def feature_map(self, x: torch.Tensor) -> torch.Tensor:
         return self.blocks(x, 3)[-1]
+
+
+class HMPLFlat(_HMPLBase):
+    """The Ord model with its last map flattened instead of pooled by SPP: the "traditional
+    FedAvg" of Sec. IV-D's regular-size ablation (Fig. 7), beside FedAvg with the SPP layer
+    (HMPL_S). Its convolutions are the Ord model's, by name and shape; fc1 reads the
+    ceil(s / 8)-square map of an ``image_size``-square input (4 x 4 x 256 at 28), so it
+    takes that one size."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
+        super().__init__()
+        self._add_convs(in_channels, 3)
+        side = image_size
+        for _ in CHANNELS:  # ceil-mode pooling after each block
+            side = -(-side // 2)
+        self.fc1 = nn.Linear(CHANNELS[-1] * side * side, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, HIDDEN)
+        self.fc3 = nn.Linear(HIDDEN, num_classes)
+
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x, 3)[-1]
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.feature_map(x).flatten(1)
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
 
 
 class HMPLCom(_HMPLBase):

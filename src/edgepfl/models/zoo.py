@@ -11,7 +11,7 @@ from torch import nn
 
 from edgepfl.errors import ConfigError
 from edgepfl.models.bn import CNN2BN, CNNSmallBN
-from edgepfl.models.hmpl_nets import CNN2SPP, HMPLCom, HMPLOrd, HMPLSup
+from edgepfl.models.hmpl_nets import CNN2SPP, HMPLCom, HMPLFlat, HMPLOrd, HMPLSup
 from edgepfl.models.hmpl_tiers import HMPLTiers
 from edgepfl.models.resnet import ResNet18, ResNet18BN
 from edgepfl.registered import origin
@@ -156,6 +156,8 @@ MODELS: dict[str, tuple[ModelFactory, str]] = {
     "resnet18_bn": (ResNet18BN, "resnet18 with BatchNorm instead of GroupNorm (FedBN)"),
     "cnn2_spp": (CNN2SPP, "cnn2's convs + SPP (1x1, 2x2, 4x4) before FC 512, 128: any image size"),
     "hmpl_ord": (HMPLOrd, "HMPL's Ord model: 3 conv 3x3 (64, 128, 256) + pool, SPP, FC 1024, 1024"),
+    "hmpl_flat": (HMPLFlat, "hmpl_ord with its last map flattened, no SPP (Sec. IV-D's plain "
+                  "FedAvg): square images of one size"),
     "hmpl_com": (HMPLCom, "HMPL's Com model (weak devices): hmpl_ord without conv3, 1x1 IP conv"),
     "hmpl_sup": (HMPLSup, "HMPL's Sup model (strong devices), stage 1: hmpl_ord + FPN over L3/L2"),
     "hmpl_sup2": (partial(HMPLSup, depth=2), "HMPL's Sup model, stage 2: FPN over L3/L2/L1"),
