@@ -83,6 +83,12 @@ hmpl_queue() {  # HMPL's runs not done yet (bench/papers/README.md, "Not run"), 
   # sup_max_depth unbounded: the Sup model itself, at each depth
   EXTRA="$EXTRA algorithm.tier_ratio=[0,0,1]" TAG=-allsup $grid "${SUP_ROUNDS:-30}" \
     "mnist fmnist" v "$seeds" "hmpl:sup_max_depth=1 hmpl:sup_max_depth=2"
+  # then Tables IV-V's HMPL with the bounded Sup (growth_revert, the default since issue
+  # 54), at the 30 rounds of the kept rows, and Fig. 7's ablation (every client Com; plain
+  # FedAvg on the Ord model without SPP), MNIST and Fashion-MNIST V
+  $grid 30 "mnist fmnist" "v iv" "$seeds" "hmpl:growth_revert=true"
+  $grid 30 "mnist fmnist" v "$seeds" "fedavg:model.name=hmpl_flat"
+  EXTRA="$EXTRA algorithm.tier_ratio=[1,0,0]" TAG=-allcom $grid 30 "mnist fmnist" v "$seeds" hmpl
   $grid "$r" mnist v "$seeds" "hmpl:com_align=fit"  # the name MNIST V's HMPL is kept under
   $grid "$r" mnist iv "$seeds" hmpl
   $grid "$r" fmnist "iv v" "$seeds" hmpl
