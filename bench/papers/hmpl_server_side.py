@@ -50,10 +50,8 @@ def with_laterals(tensors: dict[str, torch.Tensor], how: str) -> dict[str, torch
     return out
 
 
-def evaluate(run: Path, how: str | None) -> dict[str, float]:
-    tensors, meta = read_tensors(run / CHECKPOINT)
-    cfg = build_config(json.loads((run / "config.json").read_text()), [])
-    sim = Simulation(cfg, progress=False)
+def evaluate(sim: Simulation, tensors: dict[str, torch.Tensor], meta: dict,
+             how: str | None) -> dict[str, float]:
     sim.load_state(tensors if how is None else with_laterals(tensors, how), meta)
     figures = sim.evaluate()
     return {k: figures[k] for k in KEYS if k in figures}
@@ -66,16 +64,18 @@ def main() -> int:
     torch.set_num_threads(1)
     for run in args.runs:
         summary = json.loads((run / "summary.json").read_text())
-        _, meta = read_tensors(run / CHECKPOINT)
+        tensors, meta = read_tensors(run / CHECKPOINT)
         if meta["round"] != summary["rounds"] or summary["algorithm"] != "hmpl":
             parser.error(f"{run}: not a finished hmpl run with its last round's checkpoint")
+        cfg = build_config(json.loads((run / "config.json").read_text()), [])
+        sim = Simulation(cfg, progress=False)
         last = {k: meta["metrics"][-1][k] for k in KEYS if k in meta["metrics"][-1]}
-        again = evaluate(run, None)
+        again = evaluate(sim, tensors, meta, None)
         if any(abs(again[k] - last[k]) > 1e-9 for k in last if k in again):
             parser.error(f"{run}: evaluated again {again}, the run said {last}")
         row = {"run": str(run), "round": meta["round"], "as_run": again}
         for how in ("zero", "mean"):
-            row[f"laterals_{how}"] = evaluate(run, how)
+            row[f"laterals_{how}"] = evaluate(sim, tensors, meta, how)
         print(json.dumps(row))
     return 0
 
