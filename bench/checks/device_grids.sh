@@ -123,8 +123,9 @@ if [[ $what == hmpl || $what == both ]]; then
 fi
 wait "${jobs_pids[@]}"
 [[ -z ${monitor:-} ]] || kill "$monitor"
-# xargs' timeout leaves its runs going: stop them before the figures are packed
-pkill -f "edgepfl run" 2>/dev/null; sleep 2
+# xargs' timeout leaves its runs going: stop them (only this script's, whose --out or
+# --resume is under $out) before the figures are packed
+pkill -f -- "(--out|--resume) $out/" 2>/dev/null; sleep 2
 echo "device_grids: $(( $(date +%s) - start )) s; finished runs:"
 find "$out" -name summary.json | sed 's|/summary.json||' | sort
 mkdir -p "$back"
