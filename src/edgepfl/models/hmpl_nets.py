@@ -119,9 +119,11 @@ class _HMPLBase(nn.Module):
             # padding 1 keeps the size, so only pooling shrinks a map (Sec. IV-B is silent)
             setattr(self, f"conv{i + 1}", nn.Conv2d(widths[i], widths[i + 1], 3, padding=1))
 
-    def _add_head(self, num_classes: int) -> None:
-        self.spp = SPP()
-        self.fc1 = nn.Linear(spp_features(CHANNELS[-1]), HIDDEN)
+    def _add_head(self, num_classes: int, pool: nn.Module | None = None,
+                  features: int = spp_features(CHANNELS[-1])) -> None:
+        """SPP (or ``pool``, giving ``features`` values) and the FC layers."""
+        self.spp = SPP() if pool is None else pool
+        self.fc1 = nn.Linear(features, HIDDEN)
         self.fc2 = nn.Linear(HIDDEN, HIDDEN)
         self.fc3 = nn.Linear(HIDDEN, num_classes)
 
@@ -176,16 +178,9 @@ class HMPLFlat(_HMPLBase):
         side = image_size
         for _ in CHANNELS:  # ceil-mode pooling after each block
             side = -(-side // 2)
-        self.fc1 = nn.Linear(CHANNELS[-1] * side * side, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, HIDDEN)
-        self.fc3 = nn.Linear(HIDDEN, num_classes)
+        self._add_head(num_classes, nn.Flatten(), CHANNELS[-1] * side * side)
 
-    def feature_map(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x, 3)[-1]
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.feature_map(x).flatten(1)
-        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+    feature_map = HMPLOrd.feature_map
 
 
 class HMPLCom(_HMPLBase):
