@@ -14,7 +14,8 @@
 # of an H200, past one call's 10: give fewer runs the GPU (HMPL_JOBS) or fewer SEEDS.
 # Runs go to runs/device_grids; what comes back is one archive in $OUT (the device call's
 # folder returns at most 8 files) of every finished run's figures, without checkpoints. A run
-# cut off by LIMIT (seconds) is lost.
+# cut off by LIMIT (seconds) comes back as its rounds so far (partial.tgz) and
+# resumes from its checkpoint in a next call while the machine is still warm.
 #
 # The device machine reaches nothing outside and ../shared does not travel: copy the data
 # into an ignored folder of the checkout first and carry it (about 42 MB), with wheels of
@@ -114,15 +115,17 @@ if [[ $what == hmpl || $what == both ]]; then
   ( timeout $((limit - 20)) xargs -P "${HMPL_JOBS:-$((cores - 2))}" -L 1 \
       bash "$here/grid/run_one.sh" < "$out/hmpl_queue.txt" > "$out/hmpl.log" 2>&1 ) &
   jobs_pids+=($!)
-  ( while sleep "${MONITOR_EVERY:-60}"; do  # how busy the GPU and the CPUs were, for the record
-      echo "$(( $(date +%s) - start )) s: $(find "$out" -name summary.json | wc -l) finished;" \
-        "GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null);" \
-        "load $(cut -d' ' -f1 /proc/loadavg)"
-    done >> "$out/monitor.log" ) &
-  monitor=$!
 fi
+( while sleep "${MONITOR_EVERY:-60}"; do  # how busy the GPU and the CPUs were, for the record
+    echo "$(( $(date +%s) - start )) s: $(find "$out" -name summary.json | wc -l) finished," \
+      "$(find "$out" -name metrics.csv -exec sh -c 'tail -n +2 "$1" | wc -l' _ {} \; |
+         awk '{n += $1} END {print n + 0}') rounds done in all;" \
+      "GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null);" \
+      "load $(cut -d' ' -f1 /proc/loadavg)"
+  done >> "$out/monitor.log" ) &
+monitor=$!
 wait "${jobs_pids[@]}"
-[[ -z ${monitor:-} ]] || kill "$monitor"
+kill "$monitor"
 # xargs' timeout leaves its runs going: stop them (only this script's, whose --out or
 # --resume is under $out) before the figures are packed
 pkill -f -- "(--out|--resume) $out/" 2>/dev/null; sleep 2
@@ -133,4 +136,13 @@ cp "$out"/*.log "$back"/ 2>/dev/null
 # figures only: checkpoints are large, and a cut-off run cannot resume on a fresh machine
 find "$out" -name summary.json -printf '%h\n' | sed "s|^$out/||" |
   tar czf "$back/runs.tgz" -C "$out" --exclude=checkpoint.safetensors --exclude='*.png' -T -
+# the runs the limit cut off: their rounds so far (metrics.csv, config), to see the pace and
+# to size the next call; they resume only on this machine while it is still warm
+find "$out" -name metrics.csv -printf '%h\n' | while read -r d; do
+  [[ -f $d/summary.json ]] || echo "${d#"$out"/}"; done > "$out/unfinished.txt"
+if [[ -s $out/unfinished.txt ]]; then
+  echo "cut off by LIMIT: $(wc -l < "$out/unfinished.txt") runs (partial.tgz)"
+  tar czf "$back/partial.tgz" -C "$out" --exclude=checkpoint.safetensors --exclude='*.png' \
+    -T "$out/unfinished.txt"
+fi
 ls -l "$back"
