@@ -2,6 +2,7 @@
 
     python bench/papers/collect_hmpl.py runs/hmpl > table.md
     python bench/papers/collect_hmpl.py bench/results/hmpl runs/hmpl > table.md
+    python bench/papers/collect_hmpl.py bench/results/hmpl --against hmpl_s
 
 Several roots are merged by grid folder name (bench/grid/grid_runs.py). One row per (grid folder,
 run name): rounds run (and where early stopping ended the run), best and final mean accuracy
@@ -13,12 +14,17 @@ the whole test set), MB uploaded in total and per tier, the final accuracy and M
 the clients on each device class (weak / ordinary / superior, for every method), and
 the paper's accuracy for the same table, data set and method. The paper reports one accuracy
 per method, as papers do the best round (our "best mean"); ours - paper is given only for
-runs of the paper's protocol (60 clients, the whole data set).
+runs of the paper's protocol (60 clients, the whole data set). With ``--against NAME`` a last
+column gives, seed by seed, the final mean accuracy minus that of the run NAME of the same
+seed, in the same grid folder or else in the folder whose name this one's begins with (a
+tagged grid, ``-allsup``, is set against its untagged one).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -107,14 +113,37 @@ def rounds_run(sums: list[dict]) -> str:
     return ", ".join(parts)
 
 
-def main(roots: list[Path]) -> None:
+def seed_of(run: Path) -> int:
+    match = re.fullmatch(r".+-seed(\d+)", run.name)
+    return int(match.group(1)) if match else -1
+
+
+def against(grids: dict[str, dict[str, list[Path]]], folder: str, dirs: list[Path],
+            ref: str) -> str:
+    """Seed by seed, the final mean accuracy of ``dirs`` minus that of the run ``ref`` of
+    the same seed (in ``folder``, else in the longest grid folder name ``folder`` begins
+    with); '-' for a seed without it."""
+    homes = [folder] + sorted((g for g in grids if g != folder and folder.startswith(g)),
+                              key=len, reverse=True)
+    refs = next(({seed_of(d): d for d in grids[g][ref]} for g in homes if ref in grids[g]), {})
+
+    def final(run: Path) -> float:
+        return json.loads((run / "summary.json").read_text())["acc_mean_final"]
+
+    return ", ".join(f"{100 * (final(d) - final(refs[seed_of(d)])):+.2f}"
+                     if seed_of(d) in refs else "-" for d in dirs)
+
+
+def main(roots: list[Path], ref: str | None = None) -> None:
     print("| runs | table | algorithm | seeds | rounds run | best mean acc | final mean acc | "
           "final std | final worst | clients Com / Ord / Sup | final Com / Ord / Sup | "
           "final weak / ord. / sup. devices | "
           "Ord model, all test splits | MB up | MB up Com / Ord / Sup | "
-          "MB up weak / ord. / sup. devices | paper | ours (best) - paper |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, runs in finished_runs(roots).items():
+          "MB up weak / ord. / sup. devices | paper | ours (best) - paper |"
+          + (f" final - {ref}, by seed |" if ref else ""))
+    print("|---" * (19 if ref else 18) + "|")
+    grids = finished_runs(roots)
+    for name, runs in grids.items():
         for label, dirs in runs.items():
             sums = [json.loads((d / "summary.json").read_text()) for d in dirs]
             cfg = json.loads((dirs[0] / "config.json").read_text())
@@ -147,8 +176,14 @@ def main(roots: list[Path]) -> None:
                   f"{100 * mean([s['acc_min_final'] for s in sums]):.2f} | {counts} | {per_tier} | "
                   f"{dev_acc} | {pm([aggregated(s, algo) for s in sums])} | "
                   f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | {mb} | {dev_mb} | "
-                  f"{'' if paper is None else f'{100 * paper:.1f}'} | {diff} |")
+                  f"{'' if paper is None else f'{100 * paper:.1f}'} | {diff} |"
+                  + (f" {against(grids, name, dirs, ref)} |" if ref else ""))
 
 
 if __name__ == "__main__":
-    main([Path(a) for a in sys.argv[1:]] or [Path("runs/hmpl")])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("roots", nargs="*", type=Path, default=[Path("runs/hmpl")])
+    parser.add_argument("--against", metavar="NAME",
+                        help="add each seed's final mean accuracy minus run NAME's (hmpl_s)")
+    args = parser.parse_args()
+    main(args.roots, args.against)
