@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -113,25 +112,24 @@ def rounds_run(sums: list[dict]) -> str:
     return ", ".join(parts)
 
 
-def seed_of(run: Path) -> int:
-    match = re.fullmatch(r".+-seed(\d+)", run.name)
-    return int(match.group(1)) if match else -1
+def finals_by_seed(dirs: list[Path], sums: list[dict] | None = None) -> dict[int, float]:
+    """{seed (config.json's, as grid_runs.runs_by_method reads it): final mean accuracy};
+    ``sums``, the runs' summaries where already read."""
+    sums = sums or [json.loads((d / "summary.json").read_text()) for d in dirs]
+    return {int(json.loads((d / "config.json").read_text())["seed"]): s["acc_mean_final"]
+            for d, s in zip(dirs, sums, strict=True)}
 
 
-def against(grids: dict[str, dict[str, list[Path]]], folder: str, dirs: list[Path],
+def against(grids: dict[str, dict[str, list[Path]]], folder: str, finals: dict[int, float],
             ref: str) -> str:
-    """Seed by seed, the final mean accuracy of ``dirs`` minus that of the run ``ref`` of
-    the same seed (in ``folder``, else in the longest grid folder name ``folder`` begins
-    with); '-' for a seed without it."""
+    """Seed by seed, ``finals`` (a row's final mean accuracy per seed) minus that of the run
+    ``ref`` of the same seed (in ``folder``, else in the longest grid folder name ``folder``
+    begins with); '-' for a seed without it."""
     homes = [folder] + sorted((g for g in grids if g != folder and folder.startswith(g)),
                               key=len, reverse=True)
-    refs = next(({seed_of(d): d for d in grids[g][ref]} for g in homes if ref in grids[g]), {})
-
-    def final(run: Path) -> float:
-        return json.loads((run / "summary.json").read_text())["acc_mean_final"]
-
-    return ", ".join(f"{100 * (final(d) - final(refs[seed_of(d)])):+.2f}"
-                     if seed_of(d) in refs else "-" for d in dirs)
+    refs = next((finals_by_seed(grids[g][ref]) for g in homes if ref in grids[g]), {})
+    return ", ".join(f"{100 * (acc - refs[seed]):+.2f}" if seed in refs else "-"
+                     for seed, acc in finals.items())
 
 
 def main(roots: list[Path], ref: str | None = None) -> None:
@@ -177,7 +175,7 @@ def main(roots: list[Path], ref: str | None = None) -> None:
                   f"{dev_acc} | {pm([aggregated(s, algo) for s in sums])} | "
                   f"{mean([s['bytes_up_total'] for s in sums]) / 1e6:.1f} | {mb} | {dev_mb} | "
                   f"{'' if paper is None else f'{100 * paper:.1f}'} | {diff} |"
-                  + (f" {against(grids, name, dirs, ref)} |" if ref else ""))
+                  + (f" {against(grids, name, finals_by_seed(dirs, sums), ref)} |" if ref else ""))
 
 
 if __name__ == "__main__":
