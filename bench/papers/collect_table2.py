@@ -15,6 +15,10 @@ loss), so for an algorithm that reports ``layers_up_mean`` a round counts when t
 above 0, for the others when any byte went up. Times are the simulated ones of the system
 model (2 Mbit/s per client), summed over those rounds, each round taking its slowest
 client's time (docs/system.md).
+
+A method is held against DC-PFL on the seeds both have (a seed is another partition): the
+ratio beside the total time, the ablations' "ours" and the second table, which gives each
+seed's gap. Before 2026-11-30 those compared means over whatever seeds each row had.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def one_run(run: Path) -> dict:
     upto = rows[:k + 1]
     summary = json.loads((run / "summary.json").read_text())
     return {
-        "rounds": summary["rounds"],
+        "seed": int(run.name.rsplit("-seed", 1)[1]), "rounds": summary["rounds"],
         "final": summary["acc_mean_final"], "best": summary["acc_mean_best"],
         "last": statistics.fmean(acc[-LAST:]),
         "worst": summary["acc_min_final"], "std": summary["acc_std_final"], "converged": k + 1,
@@ -112,6 +116,29 @@ def mean(values: list[float]) -> float:
     return statistics.fmean(values)
 
 
+def paired(runs: list[dict], comp: list[dict]) -> list[tuple[dict, dict]]:
+    """A method's runs beside DC-PFL's on the seeds both have: a seed is another partition,
+    so a gap taken over different seed sets mixes the method with the data."""
+    by_seed = {r["seed"]: r for r in comp}
+    return [(r, by_seed[r["seed"]]) for r in sorted(runs, key=lambda r: r["seed"])
+            if r["seed"] in by_seed]
+
+
+def paired_lines(folder: str, results: dict[str, list[dict]]) -> list[str]:
+    comp = results.get("dcpfl")
+    lines = []
+    for name, runs in results.items():
+        pairs = paired(runs, comp) if comp else []
+        if name == "dcpfl" or not pairs:
+            continue
+        gaps = [100 * (r["final"] - c["final"]) for r, c in pairs]
+        times = [r["total_time"] / c["total_time"] for r, c in pairs]
+        lines.append(f"| {folder} | {name} | {', '.join(str(r['seed']) for r, _ in pairs)} | "
+                     f"{', '.join(f'{g:+.2f}' for g in gaps)} | {mean(gaps):+.2f} | "
+                     f"{', '.join(f'{t:.2f}' for t in times)} | {mean(times):.2f} |")
+    return lines
+
+
 def main(roots: list[Path]) -> None:
     print("| runs | method | seeds | rounds | final acc | ± seeds | last 5 rounds | best acc | final std | "
           "final worst | "
@@ -119,15 +146,20 @@ def main(roots: list[Path]) -> None:
           "| comm. rounds | comm. time (s) | total time (s) | MB up+down (whole run) | "
           "paper: final acc (%), comm. rounds, comm. time (s), total time (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    paired_rows: list[str] = []
     for folder, groups in finished_runs(roots).items():
         results = {name: [one_run(d) for d in dirs] for name, dirs in groups.items()}
         comp = results.get("dcpfl")
-        ref = mean([r["total_time"] for r in comp]) if comp else None
         for name, runs in results.items():
             rounds = runs[0]["rounds"]
             total = mean([r["total_time"] for r in runs])
             final = mean([r["final"] for r in runs])
-            ratio = f" (x {total / ref:.2f})" if ref else ""
+            pairs = paired(runs, comp) if comp else []
+            # against DC-PFL on the same seeds only (paired_lines spells the seeds out)
+            ratio = ""
+            if pairs:
+                mine = mean([r["total_time"] for r, _ in pairs])
+                ratio = f" (x {mine / mean([c['total_time'] for _, c in pairs]):.2f})"
             paper = PAPER.get(name)
             ptxt = "" if paper is None else ", ".join(
                 "-" if v is None else f"{100 * v:.1f}" if k == 0 else str(v)
@@ -136,10 +168,12 @@ def main(roots: list[Path]) -> None:
                 d_acc, d_time = ABLATION[name]
                 ptxt = (f"vs DC-PFL: acc {100 * d_acc:+.1f} points, total time "
                         + ("-" if d_time is None else f"{d_time:+.1%}"))
-                if comp:
-                    ptxt += (f"; ours: {100 * (final - mean([r['final'] for r in comp])):+.1f} "
-                             f"points, "
-                             f"total time {total / ref - 1:+.1%}")
+                if pairs:
+                    ours_acc = mean([r["final"] - c["final"] for r, c in pairs])
+                    ours_time = (mean([r["total_time"] for r, _ in pairs])
+                                 / mean([c["total_time"] for _, c in pairs]) - 1)
+                    ptxt += (f"; ours (seeds {', '.join(str(r['seed']) for r, _ in pairs)}): "
+                             f"{100 * ours_acc:+.1f} points, total time {ours_time:+.1%}")
             print(f"| {folder} | {name} | {len(runs)} | {rounds} | "
                   f"{100 * final:.2f} | "
                   f"{100 * statistics.pstdev([r['final'] for r in runs]):.2f} | "
@@ -151,6 +185,12 @@ def main(roots: list[Path]) -> None:
                   f"{mean([r['comm_rounds'] for r in runs]):.0f} | "
                   f"{mean([r['comm_time'] for r in runs]):.0f} | {total:.0f}{ratio} | "
                   f"{mean([r['mb'] for r in runs]):.0f} | {ptxt} |")
+        paired_rows += paired_lines(folder, results)
+    if paired_rows:
+        print("\n| runs | method | seeds shared with DC-PFL | final acc - DC-PFL's, per seed "
+              "(points) | mean | total time / DC-PFL's, per seed | mean |")
+        print("|---|---|---|---|---|---|---|")
+        print("\n".join(paired_rows))
     details = [line for groups in finished_runs(roots).values() for name, dirs in groups.items()
                if name.startswith("dcpfl") for d in dirs if (line := dcpfl_details(d))]
     if details:
