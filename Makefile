@@ -30,7 +30,7 @@ lint: setup
 # (torch.compile's tests stay out: forced AVX2 kernels beside inductor give NaN losses on
 # an AVX-512 CPU, a mismatch of the two, not of our code)
 SENSITIVE := tests/test_batch_clients.py tests/test_workers.py tests/test_golden.py \
-	tests/test_kapc.py tests/test_dcpfl.py
+	tests/test_kapc.py tests/test_dcpfl.py tests/test_lgfedavg.py
 
 # one test process per core (pytest-xdist), each test on one torch thread (tests/conftest.py):
 # the suite's tiny models gain nothing from a second thread, and a second process halves

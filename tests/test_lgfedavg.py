@@ -106,6 +106,7 @@ def test_resumed_run_gives_identical_metrics(tmp_path):
     assert without_wall(resumed.metrics) == without_wall(straight.metrics)
 
 
+@pytest.mark.tolerance
 def test_batched_clients_give_the_sequential_run(monkeypatch):
     from edgepfl.training.trainer import Trainer
     from tests.test_batch_clients import assert_same_run
@@ -121,7 +122,10 @@ def test_batched_clients_give_the_sequential_run(monkeypatch):
     for sim in runs:
         sim.run()
     assert batched and all(n == 6 for n in batched)  # rounds 2-3: all six at once
-    assert_same_run(*runs, atol=1e-5)
+    # the clients' local conv layers end 1.3e-5 apart on an AVX-512 Xeon with AVX512-FP16
+    # (2026-11-30), 1.2e-7 on AVX2 kernels: the batched kernels' layout, as
+    # test_batch_clients.STATE_ATOL's cases
+    assert_same_run(*runs, atol=1e-4)
 
 
 def test_both_privacy_levels_run():

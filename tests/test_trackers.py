@@ -6,6 +6,7 @@ import json
 import math
 import struct
 import sys
+import time
 
 import pytest
 
@@ -258,6 +259,8 @@ def wandb_records(path) -> list:
         if size == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + size > len(data):  # a record still being written
+            break
         pending += data[pos + 7:pos + 7 + size]
         pos += 7 + size
         if kind in (1, 4):  # a whole record, or the last piece of one
@@ -266,13 +269,28 @@ def wandb_records(path) -> list:
     return out
 
 
+def finished_wandb_records(path, wait: float = 60.0) -> list:
+    """The records of a run's .wandb file once it holds the run's exit record: W&B's
+    service flushes the file after ``finish()`` has returned, so on a busy machine it can
+    still be empty or cut when the test reads it."""
+    deadline = time.monotonic() + wait
+    while True:
+        records = wandb_records(path) if path.stat().st_size >= 7 else []
+        kinds = [rec.WhichOneof("record_type") for rec in records]
+        if "exit" in kinds:
+            return records
+        assert time.monotonic() < deadline, f"{path} has no exit record after {wait} s: {kinds}"
+        time.sleep(0.2)
+
+
 def wandb_run(out):
     """The offline runs in ``out``/wandb, oldest first: (run id, config, tags, history
     steps with their figures, summary updates, exit code)."""
     found = []
     for path in (out / "wandb").glob("offline-run-*/run-*.wandb"):
         run_id, config, tags, steps, summary, code = None, {}, [], {}, {}, None
-        for rec in wandb_records(path):
+        start = None
+        for rec in finished_wandb_records(path):
             kind = rec.WhichOneof("record_type")
             if kind == "run":
                 run_id, tags = rec.run.run_id, list(rec.run.tags)
@@ -290,8 +308,9 @@ def wandb_run(out):
                                 for u in rec.summary.update})
             elif kind == "exit":
                 code = rec.exit.exit_code
+        assert run_id is not None and start is not None, f"{path} holds no run record"
         found.append((start, (run_id, config, tags, steps, summary, code)))
-    return [run for _, run in sorted(found)]
+    return [run for _, run in sorted(found, key=lambda f: f[0])]
 
 
 def test_wandb_offline_run_has_the_config_every_round_and_resumes_under_its_id(tmp_path,
