@@ -196,10 +196,11 @@ CASES = {
 # same layout effect, carried through the normalisation as FedBN's is.
 # pFedLA's client states end 4.2e-5 apart on an AVX-512 EPYC (9e-8 there under
 # ATEN_CPU_CAPABILITY=avx2), and more than 1e-5 on a project machine's AVX-512 Xeon
-# (2026-11-29): the same layout effect, carried through its learned aggregation weights
-# (its metrics agree).
+# (2026-11-29), and 2.6e-4 on an AVX-512 FP16 Xeon under forced AVX2 kernels (2026-11-30;
+# 6e-8 on its own kernels): the same layout effect, carried through its learned aggregation
+# weights (its metrics agree).
 STATE_ATOL = {"clusterfl": 1e-4, "fedavg-local": 1e-4, "dcpfl": 1e-4, "kapc_bls": 1e-3,
-              "fedbn": 1e-3, "fedavg-bn": 1e-3, "pfedla": 1e-4}
+              "fedbn": 1e-3, "fedavg-bn": 1e-3, "pfedla": 1e-3}
 # FedBN's local BatchNorm layers carry such differences from round to round: two sequential
 # runs of this case, on channels-last and on NCHW kernels, end 4.0e-4 apart in their states
 # and 9.5e-6 in round 3's test loss; the batched run 2.8e-4 and 1.4e-4
