@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from edgepfl.system.memory import host_info
+
 GOLDEN = Path(__file__).parent / "data" / "golden_metrics.json"
 
 # one case per algorithm (their defaults), plus the engine's options that touch the round
@@ -57,22 +59,17 @@ def jsonable(value):
     return value
 
 
-def cpu_vendor() -> str | None:
-    """GenuineIntel or AuthenticAMD: the two makers' math libraries take different paths
-    under the same instruction set cap (AVX2 on an Intel Xeon differs from AVX2 on an AMD
-    EPYC in the last bits)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+def cpu_maker() -> str:
+    """AMD or Intel: the two makers' math libraries take different paths under the same
+    instruction set cap (AVX2 on an Intel Xeon differs from AVX2 on an AMD EPYC in the
+    last bits)."""
+    cpu = str(host_info()["cpu"])
+    return next((maker for maker in ("AMD", "Intel") if maker in cpu), cpu)
 
 
 def machine() -> dict:
     return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
-            "vendor": cpu_vendor(), "machine": platform.machine(),
+            "vendor": cpu_maker(), "machine": platform.machine(),
             "python": sys.version.split()[0]}
 
 

@@ -3,12 +3,13 @@ refactor (``tests/golden.py``): a star federation of one architecture is today's
 
 Floating-point results are bit-exact only on the machine kind they were recorded on (same
 torch build, CPU instruction set and CPU maker: an Intel Xeon capped at AVX2 differs from
-the AMD EPYC they were recorded on in the eighth digit of a loss). Elsewhere a last-bit difference in a kernel can flip
-one test prediction (an accuracy step of 1/70 on these tiny splits), so floats are not
-compared there; every integer (bytes per client and link, rounds, clients, FLOPs) and
-every key still is, except that a byte count may move by a few bytes: a message's JSON
-metadata holds floats (DC-PFL's losses), whose printed length moves with their last bits
-(seen on an AVX-512 CPU: 765,939 bytes against 765,940 recorded).
+the AMD EPYC they were recorded on in the eighth digit of a loss). Elsewhere a last-bit
+difference in a kernel can flip one test prediction (an accuracy step of 1/70 on these
+tiny splits), so floats are not compared there; every integer (bytes per client and link,
+rounds, clients, FLOPs) and every key still is, except that a byte count may move by a few
+bytes: a message's JSON metadata holds floats (DC-PFL's losses), whose printed length
+moves with their last bits (seen on an AVX-512 CPU: 765,939 bytes against 765,940
+recorded).
 """
 
 import json
