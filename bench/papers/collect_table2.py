@@ -156,10 +156,9 @@ def main(roots: list[Path]) -> None:
             final = mean([r["final"] for r in runs])
             pairs = paired(runs, comp) if comp else []
             # against DC-PFL on the same seeds only (paired_lines spells the seeds out)
-            ratio = ""
-            if pairs:
-                mine = mean([r["total_time"] for r, _ in pairs])
-                ratio = f" (x {mine / mean([c['total_time'] for _, c in pairs]):.2f})"
+            time_ratio = (mean([r["total_time"] for r, _ in pairs])
+                          / mean([c["total_time"] for _, c in pairs])) if pairs else None
+            ratio = "" if time_ratio is None else f" (x {time_ratio:.2f})"
             paper = PAPER.get(name)
             ptxt = "" if paper is None else ", ".join(
                 "-" if v is None else f"{100 * v:.1f}" if k == 0 else str(v)
@@ -168,12 +167,10 @@ def main(roots: list[Path]) -> None:
                 d_acc, d_time = ABLATION[name]
                 ptxt = (f"vs DC-PFL: acc {100 * d_acc:+.1f} points, total time "
                         + ("-" if d_time is None else f"{d_time:+.1%}"))
-                if pairs:
+                if time_ratio is not None:
                     ours_acc = mean([r["final"] - c["final"] for r, c in pairs])
-                    ours_time = (mean([r["total_time"] for r, _ in pairs])
-                                 / mean([c["total_time"] for _, c in pairs]) - 1)
                     ptxt += (f"; ours (seeds {', '.join(str(r['seed']) for r, _ in pairs)}): "
-                             f"{100 * ours_acc:+.1f} points, total time {ours_time:+.1%}")
+                             f"{100 * ours_acc:+.1f} points, total time {time_ratio - 1:+.1%}")
             print(f"| {folder} | {name} | {len(runs)} | {rounds} | "
                   f"{100 * final:.2f} | "
                   f"{100 * statistics.pstdev([r['final'] for r in runs]):.2f} | "
