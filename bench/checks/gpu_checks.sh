@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one call (about 6-7 minutes
-# on an H100): whole rounds of ten clients on the CPU's 16 threads, on the GPU and batched
-# on the GPU (FedAvg, KAPC, DC-PFL), the batched runs' figures against the CPU's, KAPC's
+# The checks that need a GPU (about 13 minutes on an H200, more than one device call's 10:
+# name the steps a call runs, e.g. `gpu_checks.sh algorithm_rounds_cuda eval_batched`):
+# whole rounds of ten clients on the CPU's 16 threads, on the GPU and batched on the GPU
+# (FedAvg, KAPC, DC-PFL), the batched runs' figures against the CPU's, KAPC's
 # state on disk on the GPU, clients batched into one step against one after another, and
 # every algorithm's round on the GPU, sequential and batched.
 # The most wanted figures come first, and a failing step does not stop the ones after it
@@ -9,8 +10,9 @@
 # (default runs/gpu); record them in bench/checks/README.md, bench/speed/README.md ("On a GPU")
 # and bench/LOG.md.
 #
-#     bash bench/checks/gpu_checks.sh            # needs a CUDA GPU
+#     bash bench/checks/gpu_checks.sh [STEP ...]   # needs a CUDA GPU; no STEP: all of them
 set -uo pipefail
+only=" $* "
 out=${OUT:-runs/gpu}
 bench=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
@@ -19,6 +21,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.t
 failed=()
 step() {  # step NAME COMMAND...: the command's output to the screen and to $out/NAME.log
     local name=$1; shift
+    [[ "$only" == "  " || "$only" == *" $name "* ]] || return 0
     echo "== $name: $*" | tee "$out/$name.log"
     "$@" 2>&1 | tee -a "$out/$name.log"
     local rc=${PIPESTATUS[0]}
