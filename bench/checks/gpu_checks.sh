@@ -19,8 +19,10 @@ mkdir -p "$out"
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 failed=()
+known=" "
 step() {  # step NAME COMMAND...: the command's output to the screen and to $out/NAME.log
     local name=$1; shift
+    known+="$name "
     [[ "$only" == "  " || "$only" == *" $name "* ]] || return 0
     echo "== $name: $*" | tee "$out/$name.log"
     "$@" 2>&1 | tee -a "$out/$name.log"
@@ -54,4 +56,7 @@ step algorithm_rounds_cuda python "$bench/speed/algorithm_rounds.py" --fraction 
 step algorithm_rounds_cuda_batched python "$bench/speed/algorithm_rounds.py" --fraction 0.03 \
     --rounds 1 --repeats 1 --algorithms $every --compiled --set train.device=cuda \
     train.batch_clients=true
+for name in "$@"; do  # a mistyped step would otherwise pass having run nothing
+    [[ "$known" == *" $name "* ]] || { echo "no step $name; the steps:$known"; exit 2; }
+done
 [ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }
